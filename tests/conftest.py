@@ -1,0 +1,35 @@
+"""Test set-up: without a GPU, Triton kernels run in the interpreter on CPU tensors.
+
+TRITON_INTERPRET must be set before any @triton.jit function is created, so before
+forge_hf.kernels is imported."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def device():
+    return DEVICE

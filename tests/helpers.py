@@ -1,0 +1,35 @@
+"""Shared test tools: exactly summable inputs, tolerances, small comparisons."""
+
+import torch
+
+# fp32 weights and states against torch.optim fed the same gradient: relative to the
+# largest weight, so near-zero entries are judged on the tensor's scale.
+RTOL_FP32 = 1e-5
+
+
+def exact_inputs(shape_x, n_out, dtype=torch.float32, device="cpu", generator=None):
+    """x and dy with few mantissa bits: every product and every partial sum over <= 2**12
+    tokens is exact in fp32, so the gradient does not depend on summation order."""
+    x = torch.randint(-4, 5, shape_x, generator=generator).float() / 4
+    dy = torch.randint(-4, 5, (*shape_x[:-1], n_out), generator=generator).float() / 256
+    return x.to(device=device, dtype=dtype), dy.to(device=device, dtype=dtype)
+
+
+def exact_gradient(x, dy):
+    """dY^T X in float64 (exact for exact_inputs), as the weight's (out, in) gradient."""
+    k, n = x.shape[-1], dy.shape[-1]
+    return dy.reshape(-1, n).double().t() @ x.reshape(-1, k).double()
+
+
+def assert_close_rel(actual, expected, rtol=RTOL_FP32, what=""):
+    expected = expected.to(actual.dtype)
+    scale = expected.abs().max().clamp_min(1e-30)
+    err = (actual - expected).abs().max() / scale
+    assert err <= rtol, f"{what}: max error {err:.3e} of the largest entry exceeds {rtol:.0e}"
+
+
+def bf16_ulps_apart(a, b):
+    """Distance in bf16 representable steps (same-sign values)."""
+    ia = a.view(torch.int16).to(torch.int32)
+    ib = b.view(torch.int16).to(torch.int32)
+    return (ia - ib).abs()
