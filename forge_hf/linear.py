@@ -37,7 +37,7 @@ def resolve_backend(backend: str, device: torch.device):
     if backend == "reference":
         return reference_fused_update
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
-    launcher = _triton_launcher() if (device.type == "cuda" or interpreted or backend == "triton") else None
+    launcher = _triton_launcher() if (device.type == "cuda" or interpreted) else None
     if launcher is None:
         if backend == "triton":
             raise RuntimeError(

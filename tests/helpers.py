@@ -28,8 +28,12 @@ def assert_close_rel(actual, expected, rtol=RTOL_FP32, what=""):
     assert err <= rtol, f"{what}: max error {err:.3e} of the largest entry exceeds {rtol:.0e}"
 
 
+def _bf16_ordinal(t):
+    # sign-magnitude bits -> a line where neighbouring bf16 values differ by 1 (+0 == -0)
+    i = t.view(torch.int16).to(torch.int32)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
 def bf16_ulps_apart(a, b):
-    """Distance in bf16 representable steps (same-sign values)."""
-    ia = a.view(torch.int16).to(torch.int32)
-    ib = b.view(torch.int16).to(torch.int32)
-    return (ia - ib).abs()
+    """Distance in bf16 representable steps, across zero too."""
+    return (_bf16_ordinal(a) - _bf16_ordinal(b)).abs()

@@ -73,10 +73,15 @@ def fused_update_kernel(
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
     w = load_value(w_ptr, offs, mask, W_BF16)
-    zero = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    s0 = load_value(s0_ptr, offs, mask, S_BF16) if HAS_S0 else zero
-    s1 = load_value(s1_ptr, offs, mask, S_BF16) if HAS_S1 else zero
-    s2 = load_value(s2_ptr, offs, mask, S_BF16) if HAS_S2 else zero
+    s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    s1 = s0
+    s2 = s0
+    if HAS_S0:
+        s0 = load_value(s0_ptr, offs, mask, S_BF16)
+    if HAS_S1:
+        s1 = load_value(s1_ptr, offs, mask, S_BF16)
+    if HAS_S2:
+        s2 = load_value(s2_ptr, offs, mask, S_BF16)
     w, s0, s1, s2 = RULE_UPDATE(
         w, acc, s0, s1, s2,
         _scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3),
@@ -121,6 +126,8 @@ def launch_fused_update(
     rule_name: str,
     stochastic: bool,
     blocks: tuple[int, int, int] | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> None:
     T, K = x.shape
     N = weight.shape[0]
@@ -141,4 +148,5 @@ def launch_fused_update(
         W_BF16=weight.dtype == torch.bfloat16, S_BF16=s_bf16, STOCHASTIC=stochastic,
         DOT_FP32=dot_fp32,
         BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT,
+        num_warps=num_warps, num_stages=num_stages,
     )

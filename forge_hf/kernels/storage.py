@@ -54,9 +54,12 @@ def fp32_to_bf16_bits(x, elem, salt, step, slot: tl.constexpr, STOCHASTIC: tl.co
 
 @triton.jit
 def load_value(ptr, offsets, mask, IS_BF16: tl.constexpr):
+    # one return: compiled Triton unifies the types of all returns, constexpr or not
     if IS_BF16:
-        return bf16_bits_to_fp32(tl.load(ptr + offsets, mask=mask, other=0))
-    return tl.load(ptr + offsets, mask=mask, other=0.0)
+        value = bf16_bits_to_fp32(tl.load(ptr + offsets, mask=mask, other=0))
+    else:
+        value = tl.load(ptr + offsets, mask=mask, other=0.0)
+    return value
 
 
 @triton.jit

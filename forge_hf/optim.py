@@ -1,0 +1,212 @@
+"""ForgeOptimizer: the torch.optim.Optimizer facade of a patched model.
+
+Its param_groups hold every trainable parameter, fused weights included, and each fused
+layer's ``forge_group`` *is* the group dict holding its weight, so any LR scheduler drives
+the fused step. ``step()`` updates only what has a ``.grad`` (embeddings, norms, biases,
+layers left unpatched or with fusion switched off): the fused weights were already
+stepped in backward and have none. Those tensors are stepped by the same rule code the
+kernels run (``reference.RULE_UPDATES``) applied to the whole tensor, with the same
+state layout (ForgeState) and bf16 store, so each rule stays written once and Lion needs
+no torch twin.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import FusedWeightMixin, layer_salt
+from .reference import RULE_UPDATES, round_to_bf16
+from .rules import get_rule, make_group
+from .state import ForgeState
+
+# Trainer.get_decay_parameter_names (transformers 5.x): no weight decay for biases and norms.
+NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def fused_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's fused layers (ForgeLinear, ForgeConv1D) by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FusedWeightMixin)}
+
+
+def default_decay_parameter_names(model: nn.Module) -> list[str]:
+    """Hugging Face's decay grouping: every parameter outside LayerNorms and not named like
+    a bias or a norm."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    return get_parameter_names(model, [nn.LayerNorm], NO_DECAY_PATTERNS)
+
+
+def _one(layers: dict[str, nn.Module], what: str, read) -> object:
+    values = {read(m) for m in layers.values()}
+    if len(values) != 1:
+        raise ValueError(
+            f"the model's fused layers use different {what} ({sorted(map(str, values))}) but one "
+            f"ForgeOptimizer steps one {what}: patch the whole model with a single patch_model call"
+        )
+    return values.pop()
+
+
+class ForgeOptimizer(torch.optim.Optimizer):
+    """``ForgeOptimizer(model, lr=..., weight_decay=..., betas=..., eps=...)``.
+
+    The rule and state precision are the ones the model was patched with; hyperparameters
+    take torch.optim's names and default to the values given to patch_model (then the
+    rule's). ``decay_parameter_names`` overrides Hugging Face's decay grouping.
+
+    After each ``step()``: ``last_grad_norm`` (a 0-dim tensor) is the norm of this step's
+    whole gradient, from the kernels' per-tile squared sums plus the ordinary gradients;
+    ``pop_nonfinite_tiles()`` returns how many tiles were skipped for a non-finite
+    gradient since it was last called (an ordinary parameter counts as one tile). With
+    ``stop_on_nonfinite=True``, a step that skipped any raises FloatingPointError.
+    """
+
+    def __init__(self, model: nn.Module, lr: float | None = None, *, decay_parameter_names=None,
+                 stop_on_nonfinite: bool = False, **hyperparameters):
+        layers = fused_layers(model)
+        if not layers:
+            raise ValueError(
+                f"{type(model).__name__} has no fused layers: call forge_hf.patch_model(model, "
+                "optimizer=...) before creating a ForgeOptimizer"
+            )
+        rule = get_rule(_one(layers, "optimizer rule", lambda m: m.forge_rule.name))
+        first = next(iter(layers.values()))
+        if lr is not None:
+            hyperparameters["lr"] = lr
+        patched = {k: v for k, v in first.forge_group.items() if k in rule.defaults}
+        defaults = make_group(rule, {**patched, **hyperparameters})
+
+        if decay_parameter_names is None:
+            decay_parameter_names = default_decay_parameter_names(model)
+        decay = set(decay_parameter_names)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": defaults["weight_decay"]},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        super().__init__(groups, defaults)
+
+        self.rule = rule
+        self.stop_on_nonfinite = bool(stop_on_nonfinite)
+        self.stochastic = _one(layers, "rounding", lambda m: m.forge_rounding) == "stochastic"
+        precision = first.forge_state.precision
+        seed = first.forge_seed
+        by_weight = {m.weight: (name, m) for name, m in layers.items()}
+        self._layers: dict[torch.Tensor, tuple[str, nn.Module]] = {}
+        self._salt: dict[torch.Tensor, int] = {}
+        for i, (name, p) in enumerate(named):
+            if p in by_weight:
+                layer = by_weight[p][1]
+                self._layers[p] = by_weight[p]
+                self.state[p] = layer.forge_state
+                self._salt[p] = layer_salt(layer.forge_seed, layer.forge_layer_index)
+            else:
+                self.state[p] = ForgeState(rule, precision)
+                self._salt[p] = layer_salt(seed, -1 - i)  # apart from the fused layers' streams
+        self._fused_steps = {p: self.state[p].step for p in self._layers}
+        self._device = named[0][1].device
+        self._nonfinite = torch.zeros((), device=self._device)
+        self.last_grad_norm: torch.Tensor | None = None
+        self.link_layers()
+
+    def link_layers(self) -> None:
+        """Point every fused layer at the param_group dict that holds its weight.
+
+        Needed again whenever the group dicts are replaced (load_state_dict does)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self._layers:
+                    self._layers[p][1].forge_group = group
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sq = torch.zeros((), device=self._device)
+        bad = torch.zeros((), device=self._device)
+        for p, (name, layer) in self._layers.items():
+            ran = self.state[p].step != self._fused_steps[p]
+            if ran and p.grad is not None:
+                raise RuntimeError(
+                    f"{name}.weight was stepped inside its layer's backward and also received a "
+                    "gradient from outside it (a tied or shared weight): exclude that layer from "
+                    "patch_model so the ordinary optimizer steps it"
+                )
+            stats = layer.forge_stats
+            sq += stats[0].to(self._device)
+            bad += stats[1].to(self._device)
+            stats.zero_()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p_sq, p_bad = self._step_tensor(p, group)
+                    sq += p_sq.to(self._device)
+                    bad += p_bad.to(self._device)
+        self._fused_steps = {p: self.state[p].step for p in self._layers}
+        self.last_grad_norm = sq.sqrt()
+        self._nonfinite += bad
+        if self.stop_on_nonfinite and bad.item() > 0:
+            raise FloatingPointError(
+                f"{int(bad.item())} gradient tile(s) were not finite in this step (skipped, not "
+                "written) and stop_on_nonfinite=True stops training: lower the learning rate, "
+                "check the data for bad values, or train in fp32/bf16 with a finite loss"
+            )
+        return loss
+
+    def _step_tensor(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """One rule step of ``p`` from ``p.grad``: (its squared sum, 1 if it was skipped)."""
+        if p.grad.is_sparse:
+            raise RuntimeError("sparse gradients are not supported by ForgeOptimizer: use a dense nn.Embedding")
+        state = self.state[p]
+        state.allocate(p, group)
+        # fp32 constants, as the kernels receive them (linear.pack_args)
+        consts = torch.tensor(self.rule.prepare(group, state.host), dtype=torch.float32).to(p.device)
+        g = p.grad.float()
+        ok = torch.isfinite(g).all()
+        slots = [s.float() if s is not None else g.new_zeros(()) for s in state.slots]
+        outs = RULE_UPDATES[self.rule.name](p.float(), g, *slots, *consts.unbind())
+        elem = None
+        for slot_id, (dst, value) in enumerate(zip([p, *state.slots], outs)):
+            if dst is None:
+                continue
+            if dst.dtype == torch.bfloat16:
+                if elem is None:
+                    elem = torch.arange(p.numel(), device=p.device).view(p.shape)
+                value = round_to_bf16(value, elem, self._salt[p], state.step, slot_id, self.stochastic)
+            dst.copy_(torch.where(ok, value.to(dst.dtype), dst))  # a non-finite gradient writes nothing
+        return torch.where(ok, (g * g).sum(), 0.0), (~ok).float()
+
+    def pop_nonfinite_tiles(self) -> int:
+        """Tiles skipped for a non-finite gradient since the last call."""
+        count = int(self._nonfinite.item())
+        self._nonfinite.zero_()
+        return count
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()  # param_groups (hyperparameters) with torch's parameter indices
+        sd["state"] = {i: self.state[p].state_dict() for i, p in enumerate(self._params())
+                       if self.state[p].allocated}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("state", {})
+        states = self.state  # ForgeState objects, shared with the fused layers: keep them
+        super().load_state_dict({**state_dict, "state": {}})  # checks and restores param_groups
+        self.state = states
+        for i, p in enumerate(self._params()):
+            state = self.state[p]
+            if i in saved:
+                state.load_state_dict(saved[i], p)
+            else:
+                state.__init__(state.rule, state.precision)  # nothing saved: start fresh
+        self._fused_steps = {p: self.state[p].step for p in self._layers}
+        self.link_layers()  # torch built new group dicts

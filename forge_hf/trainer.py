@@ -1,0 +1,261 @@
+"""Hugging Face Trainer integration: the ``optim="forge_<rule>"`` names and ForgeTrainer.
+
+Importing this module registers the names, so ``TrainingArguments(optim="forge_adamw")``
+validates, also through HfArgumentParser (command line, YAML). A plain ``Trainer`` given
+such a name stops as soon as it creates its optimizer and points to ForgeTrainer: it
+would clip and log only the non-fused gradients, which is silent wrong training.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+
+from transformers import Trainer
+from transformers.training_args import OptimizerNames
+
+from .optim import ForgeOptimizer, fused_layers
+from .rules import RULES, Rule
+
+PREFIX = "forge_"
+OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_nadam, ...
+
+# optim_args keys that configure patch_model / ForgeOptimizer rather than the rule
+OPTION_DEFAULTS = dict(state_precision="fp32", rounding="stochastic", backend="auto", include=None,
+                       exclude=None, stop_on_nonfinite=False)
+
+
+def rule_name(optim) -> str | None:
+    """'adamw' for optim='forge_adamw' (a string or an OptimizerNames member), else None."""
+    value = str(getattr(optim, "value", optim))
+    name = value[len(PREFIX):] if value.startswith(PREFIX) else None
+    return name if name in RULES else None
+
+
+# ------------------------------------------------------------------ registration
+
+
+def _add_enum_member(enum_cls, name: str, value: str) -> None:
+    """Add a member to a str-valued Enum after its creation (the Enum API has no way)."""
+    if value in enum_cls._value2member_map_:
+        return
+    member = str.__new__(enum_cls, value)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = enum_cls
+    member._sort_order_ = len(enum_cls._member_names_)
+    setattr(enum_cls, name, member)  # before _member_map_, which forbids reassigning members
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+
+
+def _refuse_plain_trainer(get_optimizer_cls_and_kwargs):
+    def wrapped(args, model=None):
+        if rule_name(args.optim) is not None:
+            raise ValueError(
+                f"optim={args.optim.value!r} needs forge_hf.ForgeTrainer: a plain Trainer would clip "
+                "and log only the gradients that are not fused. Use forge_hf.ForgeTrainer in place of "
+                "Trainer, or for another Trainer subclass (e.g. trl.SFTTrainer) "
+                "`class MyTrainer(forge_hf.ForgeTrainerMixin, SFTTrainer)`"
+            )
+        return get_optimizer_cls_and_kwargs(args, model)
+
+    wrapped.forge_refusal = True
+    return wrapped
+
+
+def register_optimizer_names() -> None:
+    """Register ``forge_<rule>`` as TrainingArguments optimizer names; idempotent."""
+    for value in OPTIMIZER_NAMES:
+        _add_enum_member(OptimizerNames, value.upper(), value)
+    current = Trainer.get_optimizer_cls_and_kwargs  # a staticmethod: the plain function
+    if not getattr(current, "forge_refusal", False):
+        Trainer.get_optimizer_cls_and_kwargs = staticmethod(_refuse_plain_trainer(current))
+
+
+register_optimizer_names()
+
+
+# ----------------------------------------------------------------- options
+
+
+@dataclass
+class ForgeOptions:
+    """What a forge optim name plus TrainingArguments ask of patch_model and ForgeOptimizer."""
+
+    rule: str
+    hyperparameters: dict  # torch.optim names: lr, weight_decay, betas, eps, momentum, ...
+    patch: dict = field(default_factory=dict)  # state_precision, rounding, backend, include, exclude
+    stop_on_nonfinite: bool = False
+
+
+def _convert(key: str, text: str, like):
+    if isinstance(like, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"optim_args {key}={text!r}: use true or false")
+        return text.lower() in ("true", "1")
+    if isinstance(like, (int, float)):
+        try:
+            return type(like)(float(text)) if isinstance(like, int) else float(text)
+        except ValueError:
+            raise ValueError(f"optim_args {key}={text!r}: use a number") from None
+    if key in ("include", "exclude"):
+        return text.split("|")  # lists travel '|'-joined inside the comma-separated string
+    return text
+
+
+def _hyperparameters_from_args(rule: Rule, args) -> dict[str, tuple[str, object]]:
+    """rule hyperparameter -> (TrainingArguments field, value), as Trainer's own optimizers do."""
+    given = {"lr": ("learning_rate", args.learning_rate), "weight_decay": ("weight_decay", args.weight_decay)}
+    if "betas" in rule.defaults:  # the Adam family and Lion; RMSprop/Adagrad keep their own eps
+        given["betas"] = ("adam_beta1/adam_beta2", (args.adam_beta1, args.adam_beta2))
+        if "eps" in rule.defaults:
+            given["eps"] = ("adam_epsilon", args.adam_epsilon)
+    return given
+
+
+def forge_options(args) -> ForgeOptions:
+    """Read a ``forge_<rule>`` TrainingArguments: hyperparameters from the usual fields, the
+    rest from optim_args ("state_precision=bf16,momentum=0.9,backend=reference")."""
+    name = rule_name(args.optim)
+    if name is None:
+        raise ValueError(f"optim={getattr(args.optim, 'value', args.optim)!r} is not a forge optimizer: "
+                         f"use one of {list(OPTIMIZER_NAMES)}")
+    rule = RULES[name]
+    from_args = _hyperparameters_from_args(rule, args)
+    hyperparameters = {k: v for k, (_, v) in from_args.items()}
+    options = dict(OPTION_DEFAULTS)
+    for pair in (args.optim_args or "").replace(" ", "").split(","):
+        if not pair:
+            continue
+        if "=" not in pair:
+            raise ValueError(f"optim_args entry {pair!r} is not key=value: write e.g. optim_args='momentum=0.9'")
+        key, text = pair.split("=", 1)
+        if key in from_args:
+            raise ValueError(f"optim_args sets {key}={text} but {PREFIX}{name} takes {key} from "
+                             f"TrainingArguments.{from_args[key][0]}: set it there")
+        if key in options:
+            options[key] = _convert(key, text, OPTION_DEFAULTS[key] if OPTION_DEFAULTS[key] is not None else "")
+        elif key in rule.defaults:
+            hyperparameters[key] = _convert(key, text, rule.defaults[key])
+        else:
+            accepted = sorted(set(rule.defaults) - set(from_args) | set(OPTION_DEFAULTS))
+            raise ValueError(f"unknown optim_args key {key!r} for optim='{PREFIX}{name}': it takes {accepted}")
+    stop = options.pop("stop_on_nonfinite")
+    patch = {k: v for k, v in options.items() if v is not None}
+    return ForgeOptions(name, hyperparameters, patch, stop)
+
+
+# ------------------------------------------------------------------ guards
+
+
+def check_training_arguments(args, accelerator=None) -> None:
+    """Refuse, naming the value and the fix, what a fused step cannot do correctly."""
+    if args.gradient_accumulation_steps > 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps} is not supported with forge "
+            "optimizers (each backward steps the weights): raise per_device_train_batch_size instead"
+        )
+    if args.fp16:
+        raise ValueError(
+            "fp16=True is not supported with forge optimizers: its GradScaler scales the gradients the "
+            "fused step consumes in backward, before any unscaling or skipping: use bf16=True instead"
+        )
+    if args.deepspeed or (accelerator is not None and accelerator.distributed_type == "DEEPSPEED"):
+        raise ValueError(
+            "DeepSpeed is not supported with forge optimizers (it owns the optimizer step): remove the "
+            "deepspeed config and train in one process"
+        )
+    processes = max(args.world_size, accelerator.num_processes if accelerator is not None else 1)
+    if processes > 1 or args.fsdp:
+        raise ValueError(
+            f"data parallelism over {processes} processes is not supported yet by forge optimizers (each "
+            "process would step its weights with its own partial gradient): launch one process"
+        )
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"n_gpu={args.n_gpu} (torch DataParallel) is not supported with forge optimizers: "
+            "make one GPU visible, e.g. CUDA_VISIBLE_DEVICES=0"
+        )
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "auto_find_batch_size=True is not supported with forge optimizers: an out-of-memory error in "
+            "the middle of a backward leaves some layers already stepped: set per_device_train_batch_size"
+        )
+
+
+def unwrap_forge_optimizer(optimizer) -> ForgeOptimizer | None:
+    """The ForgeOptimizer inside accelerate's (or any) optimizer wrapper."""
+    while optimizer is not None and not isinstance(optimizer, ForgeOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+# ----------------------------------------------------------------- trainer
+
+
+class ForgeTrainerMixin:
+    """ForgeTrainer's behaviour, for any Trainer subclass:
+    ``class MySFTTrainer(ForgeTrainerMixin, trl.SFTTrainer)``.
+
+    Patches the model when the optimizer is created (after Liger), creates a
+    ForgeOptimizer, logs ``grad_norm`` (from the kernels' squared sums plus the ordinary
+    gradients) and ``forge_nonfinite_tiles``. Gradients are never clipped: a fused weight
+    is stepped before the whole gradient's norm is known."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        given = unwrap_forge_optimizer(self.optimizer)
+        if self.optimizer is not None and given is None:
+            raise ValueError(
+                f"{type(self).__name__} was given a {type(self.optimizer).__name__}: pass a "
+                "forge_hf.ForgeOptimizer, or no optimizer and optim='forge_<rule>'"
+            )
+        self.forge_options = forge_options(self.args) if given is None else None
+        self.forge_report = None
+        check_training_arguments(self.args, self.accelerator)
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            warnings.warn(
+                f"max_grad_norm={self.args.max_grad_norm} is ignored: forge optimizers step each fused "
+                "weight inside backward, before the gradient norm is known, so gradients are not clipped "
+                "(grad_norm is still logged). Set max_grad_norm=0 to silence this warning.",
+                UserWarning, stacklevel=2,
+            )
+            self.args = copy.copy(self.args)  # the caller's arguments stay as they were
+            self.args.max_grad_norm = 0.0
+
+    @property
+    def forge_optimizer(self) -> ForgeOptimizer | None:
+        return unwrap_forge_optimizer(self.optimizer)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            model = self.model if model is None else model
+            o = self.forge_options
+            if not fused_layers(model):  # a model the user patched keeps their choices
+                from .patch import patch_model
+
+                self.forge_report = patch_model(model, optimizer=o.rule, seed=self.args.seed, **o.patch,
+                                                **o.hyperparameters)
+            self.optimizer = ForgeOptimizer(model, decay_parameter_names=self.get_decay_parameter_names(model),
+                                            stop_on_nonfinite=o.stop_on_nonfinite, **o.hyperparameters)
+        return self.optimizer
+
+    def training_step(self, *args, **kwargs):
+        # The fused layers read the lr when their backward runs: make sure they read the
+        # group the scheduler has just set, even if something replaced the group dicts.
+        self.forge_optimizer.link_layers()
+        return super().training_step(*args, **kwargs)
+
+    def log(self, logs: dict, *args, **kwargs):
+        optimizer = self.forge_optimizer
+        if optimizer is not None and "loss" in logs:  # a training-step log
+            if optimizer.last_grad_norm is not None:
+                logs["grad_norm"] = optimizer.last_grad_norm.item()
+            logs["forge_nonfinite_tiles"] = optimizer.pop_nonfinite_tiles()
+        return super().log(logs, *args, **kwargs)
+
+
+class ForgeTrainer(ForgeTrainerMixin, Trainer):
+    """``Trainer`` for ``optim="forge_<rule>"`` (see ForgeTrainerMixin)."""
