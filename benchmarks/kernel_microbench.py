@@ -19,8 +19,9 @@ from forge_hf.rules import get_rule, make_group
 LLAMA8B = [("q_proj/o_proj", 4096, 4096, 64), ("k_proj/v_proj", 1024, 4096, 64),
            ("gate/up_proj", 14336, 4096, 64), ("down_proj", 4096, 14336, 32)]
 CONFIGS = [  # BLOCK_N, BLOCK_K, BLOCK_T, warps, stages
-    (64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
-    (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 32, 4, 3),
+    (64, 64, 32, 4, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+    (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4),
+    (256, 128, 32, 8, 3), (128, 256, 32, 8, 3), (256, 64, 32, 8, 3), (64, 256, 32, 8, 3),
 ]
 
 
@@ -39,6 +40,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--out", default=None)
     ap.add_argument("--state", default="bf16")
+    ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
+    ap.add_argument("--configs", default="all", help="'all' or 'first': the first config only")
     opts = ap.parse_args()
     bw, flops = ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
@@ -59,9 +62,9 @@ def main():
         moved = 2 * T * (n + k) + 2 * (2 * n * k) + 2 * 2 * n * k * sdt.itemsize
         floor_ms = max(moved / bw, 2 * T * n * k / flops) * 1e3
         timings = {}
-        for cfg in CONFIGS:
+        for cfg in (CONFIGS if opts.configs == "all" else CONFIGS[:1]):
             bn, bk, bt, nw, ns = cfg
-            fn = lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", True,
+            fn = lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", opts.rounding == "stochastic",
                                              blocks=(bn, bk, bt), num_warps=nw, num_stages=ns)
             try:
                 timings[str(cfg)] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -81,7 +84,7 @@ def main():
           f"({100 * total_floor / total_best:.0f}%)")
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump(dict(bandwidth=bw, matmul_flops=flops, state=opts.state, rows=rows,
+            json.dump(dict(bandwidth=bw, matmul_flops=flops, state=opts.state, rounding=opts.rounding, rows=rows,
                            total_ms=total_best, total_floor_ms=total_floor), f, indent=1)
 
 
