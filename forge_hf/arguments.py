@@ -78,7 +78,8 @@ class DataArguments:
 
 @dataclass
 class ForgeArguments:
-    """Options of forge_hf.patch_model, merged into TrainingArguments.optim_args.
+    """ForgeTrainer's options (forge_hf.trainer.OPTION_TYPES), merged into
+    TrainingArguments.optim_args.
 
     state_precision is checked when the model is patched, not here, so a recipe naming a
     precision another part of the package adds (e.g. int8) still parses."""
@@ -94,6 +95,11 @@ class ForgeArguments:
         default=None, metadata={"help": "Fuse only modules matching these names or patterns."})
     forge_exclude: list[str] | None = field(
         default=None, metadata={"help": "Never fuse modules matching these names or patterns."})
+    forge_min_params: int | None = field(
+        default=None, metadata={"help": "Weights with fewer entries stay on the ordinary optimizer "
+                                        "(default: patch_model's)."})
+    forge_stop_on_nonfinite: bool | None = field(
+        default=None, metadata={"help": "Stop training when a tile's gradient is not finite."})
 
     def options(self) -> dict:
         """The set options, under patch_model's names (state_precision, rounding, ...)."""

@@ -1,22 +1,26 @@
-"""The ``forge-hf`` console script.
+"""The ``forge-hf`` console script (pyproject.toml: forge-hf = "forge_hf.cli:main")."""
 
-    forge-hf train RECIPE.yaml [--key value ...]    same as python -m forge_hf.train
-"""
-
-import argparse
 import sys
 
 from . import train
 
+COMMANDS = {"train": train.main}
+USAGE = """usage: forge-hf train RECIPE.yaml [--key value ...]
+
+  train    train from a YAML recipe, as `python -m forge_hf.train` does
+           (`forge-hf train --help` lists every recipe key)"""
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="forge-hf", description="FORGE for Hugging Face.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    train_command = commands.add_parser("train", add_help=False, help="train from a YAML recipe "
-                                        "(forge-hf train --help lists every recipe key)")
-    train_command.add_argument("arguments", nargs=argparse.REMAINDER, help="RECIPE.yaml [--key value ...]")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return train.main(args.arguments)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    print(f"forge-hf: error: {f'unknown command {argv[0]!r}' if argv else 'no command given'}\n{USAGE}",
+          file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

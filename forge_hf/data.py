@@ -16,7 +16,7 @@ Pipeline (the same code for hub and local rows, streamed or not):
    (fewer than block_size tokens at the very end of the data) is dropped. Packed
    documents attend to each other within a block, as usual for continued pretraining.
 
-Training blocks are streamed (tokenised lazily, nothing cached on disk), so a run's
+Training blocks are streamed (tokenised lazily, no tokenised copy on disk), so a run's
 length is ``max_steps``; when the rows run out first, the next pass repeats the order.
 """
 

@@ -31,6 +31,8 @@ from .trainer import check_training_arguments, forge_options, rule_name  # regis
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, ForgeArguments, TrainingArguments)
 PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "data_files")
+PATH_NOTE = ("(a relative path is relative to the recipe's directory in the file, to the working "
+             "directory on the command line)")
 
 
 class RecipeError(ValueError):
@@ -47,7 +49,7 @@ class Recipe:
 
 
 def recipe_parser() -> HfArgumentParser:
-    return HfArgumentParser(ARGUMENT_CLASSES, prog="python -m forge_hf.train RECIPE.yaml",
+    return HfArgumentParser(ARGUMENT_CLASSES, usage="python -m forge_hf.train RECIPE.yaml [--key value ...]",
                             allow_abbrev=False, exit_on_error=False)
 
 
@@ -191,7 +193,7 @@ def _describe(hint) -> str:
     if _is_enum(hint):
         return f"one of {[m.value for m in hint]}"
     if origin is list or hint is list:
-        return f"a list of {_describe(args[0])}s" if args else "a list"
+        return f"a list ({_describe(args[0])} each)" if args else "a list"
     names = {type(None): "null", bool: "true or false", int: "an integer", float: "a number",
              str: "a string", dict: "a mapping"}
     return names.get(origin or hint, getattr(hint, "__name__", str(hint)))
@@ -230,8 +232,7 @@ def check_recipe(recipe: Recipe) -> None:
     for key in ("model_name_or_path", "model_config", "tokenizer_name_or_path"):
         value = getattr(m, key)
         if value and _looks_local(value) and not os.path.exists(os.path.expanduser(value)):
-            fail(f"{key}: {value!r} does not exist: fix the path (relative paths in a recipe are "
-                 "relative to the recipe's directory)")
+            fail(f"{key}: {value!r} does not exist: fix the path {PATH_NOTE}")
     if m.model_config and m.model_config.endswith(".json") and not m.tokenizer_name_or_path:
         fail(f"model_config={m.model_config!r} is a config file, which holds no tokenizer: set "
              "tokenizer_name_or_path")
@@ -274,8 +275,7 @@ def _expand_data_files(patterns: list[str], fail) -> list[str]:
     for pattern in patterns:
         matched = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matched:
-            fail(f"data_files: {pattern!r} matches no file: fix the path (relative paths in a recipe are "
-                 "relative to the recipe's directory)")
+            fail(f"data_files: {pattern!r} matches no file: fix the path {PATH_NOTE}")
         files += matched
     formats = {LOCAL_FORMATS.get(Path(p).suffix) for p in files}
     if None in formats or len(formats) > 1:

@@ -7,7 +7,10 @@
 Builds the model (pretrained, or randomly initialised from a config), the tokenizer, the
 packed OpenMathInstruct-2 blocks and ForgeTrainer; trains with the Trainer's progress bar,
 logs and checkpoints; saves the final model and tokenizer in output_dir; prints a summary
-(also written to output_dir/forge_summary.json). Overrides: see forge_hf.recipe.
+(also written to output_dir/forge_summary.json).
+
+Command-line overrides follow the recipe path as ``--key value`` (any recipe key, listed
+below) and win over the file, e.g. ``--learning_rate 1e-5 --max_steps 100``.
 """
 
 import json
@@ -17,11 +20,13 @@ import sys
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, default_data_collator, set_seed
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback, default_data_collator,
+                          set_seed)
 
 from .arguments import ModelArguments
 from .data import build_datasets
 from .recipe import Recipe, RecipeError, load_recipe, recipe_parser
+from .trainer import ForgeTrainer
 
 
 def build_model(args: ModelArguments, seed: int):
@@ -46,12 +51,12 @@ def check_fits(model, tokenizer, recipe: Recipe) -> None:
     block_size = recipe.data.block_size
     n_positions = getattr(model.config, "max_position_embeddings", None)
     if n_positions is not None and block_size > n_positions:
-        raise RecipeError(f"{recipe.path}: block_size={block_size} exceeds the model's max_position_embeddings={n_positions}: "
-                          "lower block_size")
+        raise RecipeError(f"{recipe.path}: block_size={block_size} exceeds the model's "
+                          f"max_position_embeddings={n_positions}: lower block_size")
     n_embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > n_embeddings:
-        raise RecipeError(f"{recipe.path}: the tokenizer has {len(tokenizer)} tokens but the model embeds only {n_embeddings}: "
-                          "use the model's own tokenizer (tokenizer_name_or_path)")
+        raise RecipeError(f"{recipe.path}: the tokenizer has {len(tokenizer)} tokens but the model embeds only "
+                          f"{n_embeddings}: use the model's own tokenizer (tokenizer_name_or_path)")
 
 
 def peak_memory() -> dict:
@@ -62,30 +67,55 @@ def peak_memory() -> dict:
     return peak
 
 
-def summarize(recipe: Recipe, trainer, train_seconds: float, wall_seconds: float) -> dict:
+class RunClock(TrainerCallback):
+    """Where this run starts (not step 0 when resuming) and when its first step ends: the
+    throughput after it leaves out one-off costs such as kernel compilation."""
+
+    start_step, first_step_end, train_end = 0, None, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start_step = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.first_step_end is None:
+            self.first_step_end = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.train_end = time.perf_counter()
+
+
+def summarize(recipe: Recipe, trainer, clock: RunClock, train_seconds: float, wall_seconds: float) -> dict:
     args = recipe.training
     steps = trainer.state.global_step
     # every block is full (data.pack), so tokens are exact
-    tokens = steps * args.per_device_train_batch_size * recipe.data.block_size * args.world_size
+    tokens_per_step = args.per_device_train_batch_size * recipe.data.block_size * args.world_size
+    run_steps = steps - clock.start_step
+    later = (run_steps - 1) * tokens_per_step / (clock.train_end - clock.first_step_end) if run_steps > 1 else None
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
     return {
-        "recipe": str(recipe.path), "output_dir": args.output_dir, "steps": steps, "tokens": tokens,
-        "processes": args.world_size, "train_seconds": train_seconds, "wall_seconds": wall_seconds,
-        "tokens_per_second": tokens / train_seconds if train_seconds else None,
+        "recipe": str(recipe.path), "output_dir": args.output_dir, "processes": args.world_size,
+        "steps": steps, "tokens": steps * tokens_per_step, "train_seconds": train_seconds, "wall_seconds": wall_seconds,
+        "tokens_per_second": run_steps * tokens_per_step / train_seconds,
+        "tokens_per_second_after_first_step": later,
         "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
         "last_eval_loss": evals[-1] if evals else None, **peak_memory(),
     }
+
+
+def _fmt(loss) -> str:
+    return "-" if loss is None else f"{loss:.4f}"
 
 
 def print_summary(summary: dict) -> None:
     memory = ", ".join(f"{k.removesuffix('_gib')} {v:.2f} GiB" for k, v in summary.items() if k.endswith("_gib"))
     lines = [
         f"steps       {summary['steps']}",
-        f"tokens      {summary['tokens']:,} ({summary['tokens_per_second'] or 0:,.0f} tokens/s)",
+        f"tokens      {summary['tokens']:,} ({summary['tokens_per_second']:,.0f} tokens/s; "
+        f"{summary['tokens_per_second_after_first_step'] or 0:,.0f} after the first step)",
         f"time        train {summary['train_seconds']:.1f} s, total {summary['wall_seconds']:.1f} s",
-        f"loss        first {summary['first_loss']}, last {summary['last_loss']}, "
-        f"eval {summary['last_eval_loss']}",
+        f"loss        first {_fmt(summary['first_loss'])}, last {_fmt(summary['last_loss'])}, "
+        f"eval {_fmt(summary['last_eval_loss'])}",
         f"memory      {memory}",
         f"saved       {summary['output_dir']}",
     ]
@@ -93,8 +123,6 @@ def print_summary(summary: dict) -> None:
 
 
 def run(recipe: Recipe) -> dict:
-    from .trainer import ForgeTrainer
-
     started = time.perf_counter()
     args = recipe.training
     tokenizer = build_tokenizer(recipe.model)
@@ -102,14 +130,15 @@ def run(recipe: Recipe) -> dict:
     check_fits(model, tokenizer, recipe)
     data_seed = args.data_seed if args.data_seed is not None else args.seed
     train_blocks, eval_blocks = build_datasets(recipe.data, tokenizer, data_seed)
+    clock = RunClock()
     trainer = ForgeTrainer(model=model, args=args, train_dataset=train_blocks, eval_dataset=eval_blocks,
-                           processing_class=tokenizer, data_collator=default_data_collator)
+                           processing_class=tokenizer, data_collator=default_data_collator, callbacks=[clock])
     train_started = time.perf_counter()
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     train_seconds = time.perf_counter() - train_started
     trainer.save_model()  # model + tokenizer, loadable with from_pretrained
     trainer.save_state()  # trainer_state.json: the log history
-    summary = summarize(recipe, trainer, train_seconds, time.perf_counter() - started)
+    summary = summarize(recipe, trainer, clock, train_seconds, time.perf_counter() - started)
     if trainer.is_world_process_zero():
         with open(os.path.join(args.output_dir, "forge_summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -123,8 +123,9 @@ def make_configs(tokenizer) -> None:
     from transformers import LlamaConfig, Qwen3Config
 
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    # every linear holds >= 65,536 weights: patch_model's default min_params fuses them all
+    LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                 tie_word_embeddings=False, **ids).save_pretrained(HERE / "smoke" / "llama_tiny")
     # Qwen3-1.7B's published shapes; only the special-token ids follow the bundled tokenizer.
     Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
