@@ -4,8 +4,12 @@ Eligible linear layers step their own weights inside backward, tile by tile, so 
 weight gradient never exists. See README.md."""
 
 from .linear import ForgeLinear
+from .optim import ForgeOptimizer
+from .patch import PatchReport, patch_model, unpatch_model
 from .rules import RULES
+from .trainer import ForgeTrainer, ForgeTrainerMixin  # registers optim="forge_<rule>" for TrainingArguments
 
 __version__ = "0.1.0"
 
-__all__ = ["ForgeLinear", "RULES", "__version__"]
+__all__ = ["ForgeLinear", "ForgeOptimizer", "ForgeTrainer", "ForgeTrainerMixin", "PatchReport", "RULES",
+           "patch_model", "unpatch_model", "__version__"]

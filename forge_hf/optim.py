@@ -5,9 +5,9 @@ layer's ``forge_group`` *is* the group dict holding its weight, so any LR schedu
 the fused step. ``step()`` updates only what has a ``.grad`` (embeddings, norms, biases,
 layers left unpatched or with fusion switched off): the fused weights were already
 stepped in backward and have none. Those tensors are stepped by the same rule code the
-kernels run (``reference.RULE_UPDATES``) applied to the whole tensor, with the same
-state layout (ForgeState) and bf16 store, so each rule stays written once and Lion needs
-no torch twin.
+kernels run (``reference.RULE_UPDATES``) applied to the whole tensor, with the same state
+(ForgeState) and the same bf16 / 8-bit stores, so each rule stays written once and Lion
+needs no torch twin.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .codecs import QuantisedSlot, uniform
 from .linear import FusedWeightMixin, layer_salt
-from .reference import RULE_UPDATES, round_to_bf16
+from .reference import RULE_UPDATES, random_bits, round_to_bf16
 from .rules import get_rule, make_group
 from .state import ForgeState
 
@@ -91,19 +92,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.stochastic = _one(layers, "rounding", lambda m: m.forge_rounding) == "stochastic"
         precision = first.forge_state.precision
         seed = first.forge_seed
-        by_weight = {m.weight: (name, m) for name, m in layers.items()}
-        self._layers: dict[torch.Tensor, tuple[str, nn.Module]] = {}
+        by_weight = {m.weight: m for m in layers.values()}
+        self._layers: dict[torch.Tensor, nn.Module] = {}  # fused weight -> its layer
         self._salt: dict[torch.Tensor, int] = {}
-        for i, (name, p) in enumerate(named):
+        for i, (_, p) in enumerate(named):
             if p in by_weight:
-                layer = by_weight[p][1]
-                self._layers[p] = by_weight[p]
+                layer = self._layers[p] = by_weight[p]
                 self.state[p] = layer.forge_state
                 self._salt[p] = layer_salt(layer.forge_seed, layer.forge_layer_index)
             else:
                 self.state[p] = ForgeState(rule, precision)
                 self._salt[p] = layer_salt(seed, -1 - i)  # apart from the fused layers' streams
-        self._fused_steps = {p: self.state[p].step for p in self._layers}
         self._device = named[0][1].device
         self._nonfinite = torch.zeros((), device=self._device)
         self.last_grad_norm: torch.Tensor | None = None
@@ -116,7 +115,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self._layers:
-                    self._layers[p][1].forge_group = group
+                    self._layers[p].forge_group = group
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -131,14 +130,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 loss = closure()
         sq = torch.zeros((), device=self._device)
         bad = torch.zeros((), device=self._device)
-        for p, (name, layer) in self._layers.items():
-            ran = self.state[p].step != self._fused_steps[p]
-            if ran and p.grad is not None:
-                raise RuntimeError(
-                    f"{name}.weight was stepped inside its layer's backward and also received a "
-                    "gradient from outside it (a tied or shared weight): exclude that layer from "
-                    "patch_model so the ordinary optimizer steps it"
-                )
+        for layer in self._layers.values():
             stats = layer.forge_stats
             sq += stats[0].to(self._device)
             bad += stats[1].to(self._device)
@@ -149,7 +141,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     p_sq, p_bad = self._step_tensor(p, group)
                     sq += p_sq.to(self._device)
                     bad += p_bad.to(self._device)
-        self._fused_steps = {p: self.state[p].step for p in self._layers}
         self.last_grad_norm = sq.sqrt()
         self._nonfinite += bad
         if self.stop_on_nonfinite and bad.item() > 0:
@@ -161,25 +152,38 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_tensor(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """One rule step of ``p`` from ``p.grad``: (its squared sum, 1 if it was skipped)."""
+        """One rule step of ``p`` from ``p.grad``: (its squared sum, 1 if it was skipped).
+
+        A fused layer's weight (fusion switched off) is stepped in the kernels' (out, in)
+        view with its layer's state, which may be 8-bit; other states are fp32 or bf16."""
         if p.grad.is_sparse:
-            raise RuntimeError("sparse gradients are not supported by ForgeOptimizer: use a dense nn.Embedding")
-        state = self.state[p]
-        state.allocate(p, group)
-        # fp32 constants, as the kernels receive them (linear.pack_args)
+            raise RuntimeError("sparse gradients are not supported by ForgeOptimizer: "
+                               "use nn.Embedding(sparse=False)")
+        state, layer = self.state[p], self._layers.get(p)
+        transposed = layer.forge_transposed if layer is not None else None
+        state.allocate(p, group, transposed=transposed)
+        w, g = (p.t(), p.grad.t().float()) if transposed else (p, p.grad.float())
+        # fp32 constants, as the kernels receive them (linear.pack_args); the step counts
+        # even when the gradient is skipped, as for a fused layer whose tiles all are
         consts = torch.tensor(self.rule.prepare(group, state.host), dtype=torch.float32).to(p.device)
-        g = p.grad.float()
         ok = torch.isfinite(g).all()
-        slots = [s.float() if s is not None else g.new_zeros(()) for s in state.slots]
-        outs = RULE_UPDATES[self.rule.name](p.float(), g, *slots, *consts.unbind())
-        elem = None
-        for slot_id, (dst, value) in enumerate(zip([p, *state.slots], outs)):
+        slots = state.kernel_slots()
+        if any(isinstance(s, QuantisedSlot) for s in slots) and not ok:
+            return g.new_zeros(()), g.new_ones(())  # codes cannot be masked: skip on the host
+        values = [g.new_zeros(()) if s is None else s.read() if isinstance(s, QuantisedSlot) else s.float()
+                  for s in slots]
+        outs = RULE_UPDATES[self.rule.name](w.float(), g, *values, *consts.unbind())
+        elem = torch.arange(w.numel(), device=p.device).view(w.shape)  # the kernels' element index
+        salt, step = self._salt[p], state.step
+        for slot_id, (dst, value) in enumerate(zip([w, *slots], outs)):
             if dst is None:
                 continue
+            if isinstance(dst, QuantisedSlot):
+                stochastic = self.stochastic and dst.codec.stochastic
+                dst.write(value, u=uniform(random_bits(elem, salt, step, slot_id)) if stochastic else 0.5)
+                continue
             if dst.dtype == torch.bfloat16:
-                if elem is None:
-                    elem = torch.arange(p.numel(), device=p.device).view(p.shape)
-                value = round_to_bf16(value, elem, self._salt[p], state.step, slot_id, self.stochastic)
+                value = round_to_bf16(value, elem, salt, step, slot_id, self.stochastic)
             dst.copy_(torch.where(ok, value.to(dst.dtype), dst))  # a non-finite gradient writes nothing
         return torch.where(ok, (g * g).sum(), 0.0), (~ok).float()
 
@@ -208,5 +212,4 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 state.load_state_dict(saved[i], p)
             else:
                 state.__init__(state.rule, state.precision)  # nothing saved: start fresh
-        self._fused_steps = {p: self.state[p].step for p in self._layers}
         self.link_layers()  # torch built new group dicts

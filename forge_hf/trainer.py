@@ -16,14 +16,16 @@ from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
 from .optim import ForgeOptimizer, fused_layers
+from .patch import patch_model
 from .rules import RULES, Rule
 
 PREFIX = "forge_"
 OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_nadam, ...
 
-# optim_args keys that configure patch_model / ForgeOptimizer rather than the rule
-OPTION_DEFAULTS = dict(state_precision="fp32", rounding="stochastic", backend="auto", include=None,
-                       exclude=None, stop_on_nonfinite=False)
+# optim_args keys that configure patch_model / ForgeOptimizer rather than the rule, and
+# how their text is read; patch_model's defaults apply to those not given.
+OPTION_TYPES = dict(state_precision=str, rounding=str, backend=str, include=list, exclude=list,
+                    min_params=int, stop_on_nonfinite=bool)
 
 
 def rule_name(optim) -> str | None:
@@ -86,23 +88,21 @@ class ForgeOptions:
 
     rule: str
     hyperparameters: dict  # torch.optim names: lr, weight_decay, betas, eps, momentum, ...
-    patch: dict = field(default_factory=dict)  # state_precision, rounding, backend, include, exclude
+    patch: dict = field(default_factory=dict)  # patch_model options given (state_precision, ...)
     stop_on_nonfinite: bool = False
 
 
-def _convert(key: str, text: str, like):
-    if isinstance(like, bool):
+def _convert(key: str, text: str, kind: type):
+    if kind is bool:
         if text.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"optim_args {key}={text!r}: use true or false")
         return text.lower() in ("true", "1")
-    if isinstance(like, (int, float)):
-        try:
-            return type(like)(float(text)) if isinstance(like, int) else float(text)
-        except ValueError:
-            raise ValueError(f"optim_args {key}={text!r}: use a number") from None
-    if key in ("include", "exclude"):
+    if kind is list:
         return text.split("|")  # lists travel '|'-joined inside the comma-separated string
-    return text
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"optim_args {key}={text!r}: use a {kind.__name__}") from None
 
 
 def _hyperparameters_from_args(rule: Rule, args) -> dict[str, tuple[str, object]]:
@@ -125,26 +125,27 @@ def forge_options(args) -> ForgeOptions:
     rule = RULES[name]
     from_args = _hyperparameters_from_args(rule, args)
     hyperparameters = {k: v for k, (_, v) in from_args.items()}
-    options = dict(OPTION_DEFAULTS)
+    options = {}
     for pair in (args.optim_args or "").replace(" ", "").split(","):
         if not pair:
             continue
         if "=" not in pair:
-            raise ValueError(f"optim_args entry {pair!r} is not key=value: write e.g. optim_args='momentum=0.9'")
+            raise ValueError(f"optim_args entry {pair!r} is not key=value: write e.g. "
+                             "optim_args='momentum=0.9'")
         key, text = pair.split("=", 1)
         if key in from_args:
             raise ValueError(f"optim_args sets {key}={text} but {PREFIX}{name} takes {key} from "
                              f"TrainingArguments.{from_args[key][0]}: set it there")
-        if key in options:
-            options[key] = _convert(key, text, OPTION_DEFAULTS[key] if OPTION_DEFAULTS[key] is not None else "")
+        if key in OPTION_TYPES:
+            options[key] = _convert(key, text, OPTION_TYPES[key])
         elif key in rule.defaults:
-            hyperparameters[key] = _convert(key, text, rule.defaults[key])
+            hyperparameters[key] = _convert(key, text, type(rule.defaults[key]))
         else:
-            accepted = sorted(set(rule.defaults) - set(from_args) | set(OPTION_DEFAULTS))
-            raise ValueError(f"unknown optim_args key {key!r} for optim='{PREFIX}{name}': it takes {accepted}")
-    stop = options.pop("stop_on_nonfinite")
-    patch = {k: v for k, v in options.items() if v is not None}
-    return ForgeOptions(name, hyperparameters, patch, stop)
+            accepted = sorted(set(rule.defaults) - set(from_args) | set(OPTION_TYPES))
+            raise ValueError(f"unknown optim_args key {key!r} for optim='{PREFIX}{name}': "
+                             f"it takes {accepted}")
+    stop = options.pop("stop_on_nonfinite", False)
+    return ForgeOptions(name, hyperparameters, options, stop)
 
 
 # ------------------------------------------------------------------ guards
@@ -206,13 +207,15 @@ class ForgeTrainerMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        given = unwrap_forge_optimizer(self.optimizer)
-        if self.optimizer is not None and given is None:
+        if self.optimizer is not None and unwrap_forge_optimizer(self.optimizer) is None:
             raise ValueError(
                 f"{type(self).__name__} was given a {type(self.optimizer).__name__}: pass a "
                 "forge_hf.ForgeOptimizer, or no optimizer and optim='forge_<rule>'"
             )
-        self.forge_options = forge_options(self.args) if given is None else None
+        # A ForgeOptimizer the caller made needs no forge optim name; otherwise it is required.
+        self.forge_options = None
+        if self.optimizer is None or rule_name(self.args.optim) is not None:
+            self.forge_options = forge_options(self.args)
         self.forge_report = None
         check_training_arguments(self.args, self.accelerator)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
@@ -234,18 +237,25 @@ class ForgeTrainerMixin:
             model = self.model if model is None else model
             o = self.forge_options
             if not fused_layers(model):  # a model the user patched keeps their choices
-                from .patch import patch_model
-
-                self.forge_report = patch_model(model, optimizer=o.rule, seed=self.args.seed, **o.patch,
-                                                **o.hyperparameters)
-            self.optimizer = ForgeOptimizer(model, decay_parameter_names=self.get_decay_parameter_names(model),
+                self.forge_report = patch_model(model, optimizer=o.rule, seed=self.args.seed,
+                                                **o.patch, **o.hyperparameters)
+                if not self.forge_report.fused:
+                    raise ValueError(
+                        f"optim='{PREFIX}{o.rule}' fused no module of {type(model).__name__} (the warning "
+                        "above gives each module's reason): add min_params=0 to optim_args to fuse small "
+                        "layers, widen include/exclude, or use an ordinary optim such as adamw_torch"
+                    )
+            decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
+            self.optimizer = ForgeOptimizer(model, decay_parameter_names=decay,
                                             stop_on_nonfinite=o.stop_on_nonfinite, **o.hyperparameters)
         return self.optimizer
 
     def training_step(self, *args, **kwargs):
         # The fused layers read the lr when their backward runs: make sure they read the
         # group the scheduler has just set, even if something replaced the group dicts.
-        self.forge_optimizer.link_layers()
+        optimizer = self.forge_optimizer
+        if optimizer is not None:
+            optimizer.link_layers()
         return super().training_step(*args, **kwargs)
 
     def log(self, logs: dict, *args, **kwargs):
