@@ -3,7 +3,8 @@
 Eligible linear layers step their own weights inside backward, tile by tile, so the
 weight gradient never exists. See README.md."""
 
-from .linear import ForgeLinear
+from .conv1d import ForgeConv1D
+from .linear import ForgeFallbackWarning, ForgeLinear
 from .optim import ForgeOptimizer
 from .patch import PatchReport, patch_model, unpatch_model
 from .rules import RULES
@@ -11,5 +12,5 @@ from .trainer import ForgeTrainer, ForgeTrainerMixin  # registers optim="forge_<
 
 __version__ = "0.1.0"
 
-__all__ = ["ForgeLinear", "ForgeOptimizer", "ForgeTrainer", "ForgeTrainerMixin", "PatchReport", "RULES",
+__all__ = ["ForgeConv1D", "ForgeFallbackWarning", "ForgeLinear", "ForgeOptimizer", "ForgeTrainer", "ForgeTrainerMixin", "PatchReport", "RULES",
            "patch_model", "unpatch_model", "__version__"]

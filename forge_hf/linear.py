@@ -9,6 +9,8 @@ scheduler can drive it. Its optimizer state lives with it (``forge_state``).
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -60,27 +62,53 @@ def pack_args(scalars: list[float], step: int, salt: int, device: torch.device) 
     return torch.cat([floats, ints]).to(device, non_blocking=True)
 
 
+def _in_this_backward(node) -> bool:
+    """Whether the running backward will execute ``node`` (graph membership; under
+    ``autograd.grad(inputs=...)`` also whether it is needed)."""
+    return torch._C._will_engine_execute_node(node)
+
+
+class ForgeFallbackWarning(UserWarning):
+    """A fused layer switched to the ordinary optimizer path (the message names it)."""
+
+
 class FusedWeightFunction(torch.autograd.Function):
-    """y = x W^T + b; backward returns dX and db and steps W in place (no W.grad)."""
+    """y = x W^T + b; backward returns dX and db and steps W in place (no W.grad).
+
+    W is not an input of this node: it is read through ``layer``, so no edge of the node
+    leads to W's AccumulateGrad and any edge that does belongs to another consumer of W
+    (FusedWeightMixin.forge_conflict). ``anchor``, an empty leaf that requires grad, keeps
+    the output in the graph when neither x nor b needs a gradient (LoRA on a frozen base).
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx, x, anchor, bias, layer):
         ctx.layer = layer
         ctx.save_for_backward(x)  # not the weight: it is overwritten during backward
+        layer.forge_track(ctx)
         return F.linear(x, layer.forge_weight_view().to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         layer = ctx.layer
+        if getattr(ctx, "forge_stepped", False):
+            raise RuntimeError(
+                f"backward ran twice through {layer.forge_name}, whose weight was already stepped "
+                "in the first one (retain_graph=True?): exclude it from patch_model so its "
+                "gradient accumulates for an ordinary optimizer"
+            )
         w = layer.forge_weight_view()
         n_out, n_in = w.shape
         # dX must be formed from the weight before this step's update (paper Remark 1).
         dx = dy @ w.to(dy.dtype) if ctx.needs_input_grad[0] else None
         dy2 = dy.reshape(-1, n_out)
         db = dy2.float().sum(0).to(layer.bias.dtype) if ctx.needs_input_grad[2] else None
-        dw = layer.forge_consume_gradient(x.reshape(-1, n_in), dy2) if ctx.needs_input_grad[1] else None
-        return dx, dw, db, None
+        # The anchor's AccumulateGrad stands for the weight: not executed under
+        # autograd.grad(outputs, inputs) that leaves the weight out, so no step then.
+        if layer.weight.requires_grad and _in_this_backward(ctx.next_functions[1][0]):
+            ctx.forge_stepped = layer.forge_consume_gradient(x.reshape(-1, n_in), dy2, ctx)
+        return dx, None, db, None
 
 
 class FusedWeightMixin:
@@ -99,55 +127,179 @@ class FusedWeightMixin:
             raise ValueError(f"unknown backend={backend!r}: choose one of {list(BACKENDS)}")
         self.forge_rule = get_rule(optimizer)
         self.forge_group = make_group(self.forge_rule, hyperparameters)
-        self.forge_state = ForgeState(self.forge_rule, state_precision)
+        self.forge_state = ForgeState(self.forge_rule, state_precision, transposed=self.forge_transposed)
         self.forge_rounding = check_rounding(rounding)
         self.forge_seed = int(seed)
         self.forge_layer_index = int(layer_index)
         self.forge_backend = backend
         self.forge_enabled = True  # False: gradients flow to W.grad for an ordinary optimizer
+        self.forge_name = self.__dict__.get("forge_name", type(self).__name__)  # patch_model: the module name
         self.forge_stats = torch.zeros(2, dtype=torch.float32, device=self.weight.device)
+        self.forge_arm()
 
     def forge_weight_view(self) -> torch.Tensor:
         """The weight as (out_features, in_features), a view of the parameter."""
         return self.weight.t() if self.forge_transposed else self.weight
 
-    def forge_consume_gradient(self, x2: torch.Tensor, dy2: torch.Tensor):
-        """Step the weight with G = dy2^T x2; returns the weight gradient only when fusion
-        is off for this layer (then the ordinary optimizer steps it)."""
-        if not self.forge_enabled:
-            g = dy2.float().t() @ x2.float()
-            return (g.t() if self.forge_transposed else g).to(self.weight.dtype)
+    def forge_consume_gradient(self, x2: torch.Tensor, dy2: torch.Tensor, node=None) -> bool:
+        """Step the weight with G = dy2^T x2, or, when fusion is off for this layer (or
+        ``node``'s backward finds another consumer of the weight), add G to ``weight.grad``
+        for the ordinary optimizer. Returns whether the weight was stepped."""
+        if self.forge_enabled and node is not None:
+            reason = self.forge_conflict(node)
+            if reason:
+                self.forge_fall_back(reason)
         with torch.no_grad():
+            if not self.forge_enabled:
+                g = dy2.float().t() @ x2.float()
+                g = (g.t() if self.forge_transposed else g).to(self.weight.dtype)
+                if self.weight.grad is None:
+                    self.weight.grad = g.contiguous()
+                else:
+                    self.weight.grad.add_(g)
+                return False
             self.forge_fused_step(x2, dy2)
+            # A node that saved the weight and runs later must fail, not use the new value.
+            torch.autograd.graph.increment_version(self.weight)
+        self._forge_updates = getattr(self, "_forge_updates", 0) + 1
+        return True
+
+    # ------------------------------------------------------------ consumers
+    # One fused step per weight per backward is exact only if this module's single call
+    # is the weight's only consumer (paper Remark 1). Checked in backward, before the
+    # step, against the running graph: another call of the module or another reader of
+    # the weight in this backward means the ordinary path for all of them. A gradient
+    # that shows up from elsewhere (another backward, Liger reading lm_head.weight) is
+    # caught by the weight's post-accumulate-grad hook.
+
+    def forge_track(self, node) -> None:
+        """Called by each fused forward: remember the node weakly (forge_conflict)."""
+        nodes = [r for r in self.__dict__.get("_forge_nodes", ()) if r() is not None]
+        nodes.append(weakref.ref(node))
+        self._forge_nodes = nodes
+        self.forge_arm()
+
+    def forge_arm(self) -> None:
+        """Hook the weight's gradient accumulation (once per Parameter object)."""
+        hook = self.__dict__.get("_forge_hook")
+        if hook is not None and hook[0]() is self.weight:
+            return
+        me = weakref.ref(self)
+
+        def on_gradient(param):
+            layer = me()
+            if layer is not None:
+                layer.forge_on_gradient(param)
+
+        self._forge_hook = (weakref.ref(self.weight), self.weight.register_post_accumulate_grad_hook(on_gradient))
+
+    def forge_conflict(self, node) -> str | None:
+        """Why the weight must not be stepped in ``node``'s backward, or None."""
+        if self.weight.grad is not None:
+            return "its weight already holds a gradient (.grad was set outside the module)"
+        for ref in self.__dict__.get("_forge_nodes", ()):
+            other = ref()
+            if other is not None and other is not node and _in_this_backward(other):
+                return "the module is called more than once in this step"
+        with torch.enable_grad():
+            acc = self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
+        if _in_this_backward(acc):
+            return "its weight is also used outside the module in this step (tied or read directly)"
         return None
+
+    def forge_on_gradient(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: a gradient of a fused weight materialised."""
+        if not self.forge_enabled or param is not self.weight:
+            return
+        if getattr(self, "_forge_updates", 0):
+            # Stepped already with only its own share; stepping again would be worse.
+            param.grad = None
+            self.forge_fall_back(
+                "its weight received a gradient from outside the module after this step had "
+                "already updated it (a consumer in another backward or checkpoint segment); that "
+                "gradient was dropped, so this step's update used only the module's own share")
+        else:
+            self.forge_fall_back(
+                "its weight received a gradient from outside the module (it is read directly: "
+                "tied, or by Liger's fused linear cross-entropy, ...)")
+
+    def forge_fall_back(self, reason: str) -> None:
+        """Switch this layer to the ordinary path for good: its weight gradient is
+        materialised and an ordinary optimizer steps it (ForgeOptimizer does, with the same
+        ForgeState)."""
+        if not self.forge_enabled:
+            return
+        self.forge_enabled = False
+        self.forge_fallback_reason = reason
+        warnings.warn(
+            f"forge: {self.forge_name} falls back to the ordinary optimizer: {reason}. Its weight "
+            "gradient is materialised from now on; an optimizer over all trainable parameters "
+            "steps it. Exclude it in patch_model(exclude=[...]) to silence this.",
+            ForgeFallbackWarning, stacklevel=2)
+
+    def forge_note_call(self) -> None:
+        """A forward call: outside a backward (not a checkpoint recomputation) it starts a
+        new step for the bookkeeping of forge_on_gradient."""
+        if torch._C._current_graph_task_id() == -1:
+            self._forge_updates = 0
+
+    def __getstate__(self):
+        # Weak references and hook handles belong to this object: a copy makes its own.
+        state = dict(self.__dict__)
+        for key in ("_forge_nodes", "_forge_hook", "_forge_anchor"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state):
+        nn.Module.__setstate__(self, state)
+        self.forge_arm()
 
     @torch.no_grad()
     def forge_fused_step(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
         rule, group, state = self.forge_rule, self.forge_group, self.forge_state
-        state.allocate(self.weight, group)
+        state.allocate(self.weight, group, transposed=self.forge_transposed)
         scalars = rule.prepare(group, state.host)
         assert len(scalars) == NUM_SCALARS
         device = self.weight.device
         if self.forge_stats.device != device:
             self.forge_stats = self.forge_stats.to(device)
         args = pack_args(scalars, state.step, layer_salt(self.forge_seed, self.forge_layer_index), device)
-        t = (lambda s: s.t()) if self.forge_transposed else (lambda s: s)
-        slots = [t(s) if s is not None else None for s in state.slots]
         run = resolve_backend(self.forge_backend, device)
-        run(x2, dy2, t(self.weight.data), slots, args, self.forge_stats, rule.name,
-            self.forge_rounding == "stochastic")
+        run(x2, dy2, self.forge_weight_view().data, state.kernel_slots(), args, self.forge_stats,
+            rule.name, self.forge_rounding == "stochastic")
 
     def forge_active(self) -> bool:
-        return self.training and torch.is_grad_enabled() and self.weight.requires_grad
+        return self.forge_enabled and self.training and torch.is_grad_enabled() and self.weight.requires_grad
 
     def forge_forward(self, x: torch.Tensor) -> torch.Tensor:
+        anchor = self.__dict__.get("_forge_anchor")
+        if anchor is None or anchor.device != self.weight.device:
+            anchor = self._forge_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             # autocast does not reach inside a custom Function: cast as it would for linear
             x = x.to(torch.get_autocast_dtype(dev))
             with torch.autocast(dev, enabled=False):
-                return FusedWeightFunction.apply(x, self.weight, self.bias, self)
-        return FusedWeightFunction.apply(x, self.weight, self.bias, self)
+                return FusedWeightFunction.apply(x, anchor, self.bias, self)
+        return FusedWeightFunction.apply(x, anchor, self.bias, self)
+
+    @classmethod
+    def forge_adopt(cls, module: nn.Module, **forge_options):
+        """A fused twin of ``module`` that shares its state dicts: the same Parameter
+        objects, hooks (their handles keep working) and attributes."""
+        layer = cls.__new__(cls)
+        layer.__dict__.update(module.__dict__)
+        layer.forge_setup(**forge_options)
+        return layer
+
+    def forge_release(self, plain_cls: type) -> nn.Module:
+        """The plain ``plain_cls`` module back, sharing the same state, forge parts removed."""
+        hook = self.__dict__.get("_forge_hook")
+        if hook is not None and hook[0]() is self.weight:
+            hook[1].remove()
+        plain = plain_cls.__new__(plain_cls)
+        plain.__dict__.update({k: v for k, v in self.__dict__.items() if not k.lstrip("_").startswith("forge_")})
+        return plain
 
     def forge_extra_repr(self) -> str:
         return (f"optimizer={self.forge_rule.name}, state_precision={self.forge_state.precision}, "
@@ -165,31 +317,18 @@ class ForgeLinear(FusedWeightMixin, nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, optimizer: str = "adamw", state_precision: str = "fp32",
                     rounding: str = "stochastic", seed: int = 0, **hyperparameters) -> "ForgeLinear":
-        """A ForgeLinear that shares ``linear``'s Parameter objects (no copy)."""
+        """A ForgeLinear that shares ``linear``'s Parameter objects (no copy) and hooks."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.weight = linear.weight
-        layer.bias = linear.bias
-        layer.train(linear.training)
-        for hook_dict in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
-            getattr(layer, hook_dict).update(getattr(linear, hook_dict))
-        layer.forge_setup(optimizer=optimizer, state_precision=state_precision, rounding=rounding,
-                          seed=seed, **hyperparameters)
-        return layer
+        return cls.forge_adopt(linear, optimizer=optimizer, state_precision=state_precision,
+                               rounding=rounding, seed=seed, **hyperparameters)
 
     def to_linear(self) -> nn.Linear:
-        """A plain nn.Linear with the same Parameter objects."""
-        linear = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(linear)
-        linear.in_features, linear.out_features = self.in_features, self.out_features
-        linear.weight, linear.bias = self.weight, self.bias
-        linear.train(self.training)
-        return linear
+        """A plain nn.Linear with the same Parameter objects and hooks."""
+        return self.forge_release(nn.Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forge_note_call()
         if not self.forge_active():
             return F.linear(x, self.weight, self.bias)
         return self.forge_forward(x)

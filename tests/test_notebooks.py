@@ -1,0 +1,160 @@
+"""Every notebook in notebooks/ runs top to bottom on CPU with tiny parameters, offline.
+
+Parameters are injected papermill-style: a code cell tagged ``injected-parameters`` is
+inserted right after the cell tagged ``parameters``, so its assignments win and the rest of
+the notebook runs unchanged. The kernel is a spec written for this interpreter
+(``sys.executable``) into a temporary JUPYTER_PATH, so the notebooks run in pytest's own
+environment whatever other ``python3`` kernels the machine has.
+"""
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from ipykernel.kernelspec import write_kernel_spec
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SMOKE = ROOT / "forge_hf" / "assets" / "smoke"
+KERNEL = "forge-hf-tests"
+
+# the tiny stand-ins for the Colab defaults: a 2-layer Llama from a config, the bundled
+# tokenizer and mini-corpus, a few steps on the pure-PyTorch backend
+TINY_FINETUNE = dict(
+    model_id=str(SMOKE / "llama_tiny"), from_config=True, tokenizer_id=str(SMOKE / "tokenizer"),
+    dataset=str(SMOKE / "omi2_mini.jsonl"), prompt_column="problem", response_column="generated_solution",
+    max_rows=48, max_length=96, max_steps=3, batch_size=4, learning_rate=1e-3, precision="fp32",
+    max_new_tokens=8,
+)
+
+
+def cpt_state_precision() -> str:
+    """8-bit state once forge_hf has it (issue 5), bf16 until then."""
+    from forge_hf.state import STATE_PRECISIONS
+
+    return "int8" if "int8" in STATE_PRECISIONS else "bf16"
+
+
+def tiny_parameters(name: str, tmp_path: Path) -> dict:
+    if name == "01_full_finetune_forge_adamw.ipynb":
+        return dict(TINY_FINETUNE, optim_args="state_precision=fp32,backend=reference", compare_steps=3)
+    if name == "02_lora_peft_forge.ipynb":
+        return dict(TINY_FINETUNE, lora_r=4, lora_alpha=8, state_precision="fp32", backend="reference")
+    if name == "03_continued_pretraining_recipe.ipynb":
+        return dict(recipe=str(ROOT / "recipes" / "smoke.yaml"), state_precision=cpt_state_precision(),
+                    max_steps=3, batch_size=2, block_size=64, backend="reference", logging_steps=1,
+                    extra_overrides=["--eval_steps", "2", "--eval_rows", "8"], compare_state_precision="fp32")
+    if name == "04_benchmark_results.ipynb":
+        return dict(results_glob=str(benchmark_results(tmp_path) / "*.json"))
+    raise AssertionError(f"{name} has no tiny parameters: add them to tests/test_notebooks.py")
+
+
+def benchmark_results(tmp_path: Path) -> Path:
+    """The committed results, plus one made-up file of each other schema the notebook reads
+    (cells/arms, and one it must skip), so every branch runs."""
+    out = tmp_path / "results"
+    out.mkdir()
+    for f in (ROOT / "benchmarks" / "results").glob("*.json"):
+        (out / f.name).write_text(f.read_text())
+
+    def arms(scale):
+        return {"torch_adamw_fused": {"step_ms": 140.0 * scale, "peak_gib": 59.9 * scale},
+                "forge_bf16": {"step_ms": 120.0 * scale, "peak_gib": 47.0 * scale},
+                "forge_int8": {"oom": True}}
+
+    full = {"device": "made up for the test", "cells": [
+        {"model": "tiny-a", "batch": 1, "seq": 512, "arms": arms(1.0)},
+        {"model": "tiny-b", "batch": 4, "seq": 512,
+         "arms": [{"arm": name, **values} for name, values in arms(0.5).items()]},
+    ]}
+    (out / "made_up_full_model.json").write_text(json.dumps(full))
+    (out / "made_up_unknown.json").write_text(json.dumps({"something": [1, 2, 3]}))
+    return out
+
+
+def parameters_cell(nb) -> int:
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{len(tagged)} cells tagged 'parameters': a notebook needs exactly one"
+    return tagged[0]
+
+
+def inject(nb, parameters: dict) -> None:
+    """Insert the injected-parameters cell after the parameters cell (papermill's layout)."""
+    index = parameters_cell(nb)
+    assigned = {t.id for node in ast.parse(nb.cells[index].source).body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)}
+    unknown = sorted(set(parameters) - assigned)
+    assert not unknown, f"{unknown} are not assigned in the parameters cell (it assigns {sorted(assigned)})"
+    source = "# Injected parameters\n" + "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
+    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    nb.cells.insert(index + 1, cell)
+
+
+@pytest.fixture
+def kernel_env(tmp_path, monkeypatch):
+    write_kernel_spec(tmp_path / "jupyter" / "kernels" / KERNEL)
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    # offline, caches in the test's folder; the kernel inherits this environment
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # no display needed: figures are not kept
+    monkeypatch.delenv("FORGE_HF_SOURCE", raising=False)
+    return tmp_path
+
+
+def test_notebooks_found():
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_full_finetune_forge_adamw.ipynb", "02_lora_peft_forge.ipynb",
+        "03_continued_pretraining_recipe.ipynb", "04_benchmark_results.ipynb",
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_stored_clean(path):
+    """Valid nbformat 4, outputs cleared, one parameters cell, one install cell."""
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    parameters_cell(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), f"{path.name}: clear the outputs"
+    installs = [c for c in code if "pip" in c.source and "install" in c.source]
+    assert len(installs) == 1, f"{path.name}: {len(installs)} install cells, want one"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_uses_the_public_api(path):
+    """Nothing private of forge_hf (a leading underscore, dunders aside) and none of its kernel
+    internals."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        for node in ast.walk(ast.parse(cell.source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("forge_hf"):
+                names = [node.module, *(a.name for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("forge_hf")]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "forge_hf":
+                names = [node.attr]
+            else:
+                continue
+            private = [n for n in names if any(part in ("kernels", "reference") or
+                                               (part.startswith("_") and not part.endswith("__"))
+                                               for part in n.split("."))]
+            assert not private, f"{path.name} uses {private}: use forge_hf's public API"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, kernel_env):
+    nb = nbformat.read(path, as_version=4)
+    inject(nb, tiny_parameters(path.name, kernel_env))
+    client = NotebookClient(nb, kernel_name=KERNEL, timeout=600,
+                            resources={"metadata": {"path": str(kernel_env)}})  # the kernel's cwd
+    nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable, end='')"))
+    client.execute()  # raises CellExecutionError, with the cell and its traceback, if a cell fails
+    assert nb.cells[-1].outputs[0]["text"] == sys.executable, "the kernel ran another interpreter"
