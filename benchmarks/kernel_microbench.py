@@ -1,8 +1,9 @@
 """Fused-kernel time per Llama-3.1-8B linear shape at 512 tokens, against its floor.
 
 Floor = max(bytes it must move / measured HBM copy bandwidth, FLOPs / measured bf16
-matmul rate). Bytes: read x and dy once, read and write the weight and each state.
-Usage: python benchmarks/kernel_microbench.py [--out results.json]
+matmul rate). Bytes: read x and dy once, read and write the weight and each state (codes
+and block metadata for the 8-bit precisions).
+Usage: python benchmarks/kernel_microbench.py [--state fp32|bf16|int8|al8] [--out results.json]
 """
 
 import argparse
@@ -14,6 +15,7 @@ import triton
 from forge_hf.kernels.fused_update import ARGS_LEN, launch_fused_update
 from forge_hf.linear import pack_args
 from forge_hf.rules import get_rule, make_group
+from forge_hf.state import STATE_PRECISIONS, ForgeState
 
 # (name, out_features, in_features, count per model) for Llama-3.1-8B
 LLAMA8B = [("q_proj/o_proj", 4096, 4096, 64), ("k_proj/v_proj", 1024, 4096, 64),
@@ -39,7 +41,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--state", default="bf16")
+    ap.add_argument("--state", default="bf16", choices=STATE_PRECISIONS)
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
     ap.add_argument("--configs", default="all", help="'all' or 'first': the first config only")
     opts = ap.parse_args()
@@ -47,19 +49,20 @@ def main():
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     rule = get_rule("adamw")
     group = make_group(rule, dict(lr=1e-5))
-    sdt = torch.bfloat16 if opts.state == "bf16" else torch.float32
     rows, total_best, total_floor = [], 0.0, 0.0
     for name, n, k, count in LLAMA8B:
         T = opts.tokens
         x = torch.randn(T, k, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(T, n, device="cuda", dtype=torch.bfloat16) * 1e-3
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        slots = [torch.zeros(n, k, device="cuda", dtype=sdt) for _ in range(2)] + [None]
+        state = ForgeState(rule, opts.state, transposed=False)  # the layout a fused layer allocates
+        state.allocate(w, group)
+        slots = state.kernel_slots()
         stats = torch.zeros(2, device="cuda")
         host = rule.host_init()
         args = pack_args(rule.prepare(group, host), host["step"], 1234, "cuda")
         assert args.numel() == ARGS_LEN
-        moved = 2 * T * (n + k) + 2 * (2 * n * k) + 2 * 2 * n * k * sdt.itemsize
+        moved = 2 * T * (n + k) + 2 * (2 * n * k) + 2 * state.nbytes()
         floor_ms = max(moved / bw, 2 * T * n * k / flops) * 1e3
         timings = {}
         for cfg in (CONFIGS if opts.configs == "all" else CONFIGS[:1]):

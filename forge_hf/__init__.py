@@ -7,10 +7,11 @@ from .conv1d import ForgeConv1D
 from .linear import ForgeFallbackWarning, ForgeLinear
 from .optim import ForgeOptimizer
 from .patch import PatchReport, patch_model, unpatch_model
+from .quantization import quantization_report
 from .rules import RULES
 from .trainer import ForgeTrainer, ForgeTrainerMixin  # registers optim="forge_<rule>" for TrainingArguments
 
 __version__ = "0.1.0"
 
 __all__ = ["ForgeConv1D", "ForgeFallbackWarning", "ForgeLinear", "ForgeOptimizer", "ForgeTrainer", "ForgeTrainerMixin", "PatchReport", "RULES",
-           "patch_model", "unpatch_model", "__version__"]
+           "patch_model", "quantization_report", "unpatch_model", "__version__"]

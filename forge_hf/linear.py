@@ -239,14 +239,16 @@ class FusedWeightMixin:
 
     def forge_note_call(self) -> None:
         """A forward call: outside a backward (not a checkpoint recomputation) it starts a
-        new step for the bookkeeping of forge_on_gradient."""
+        new step for the bookkeeping of forge_on_gradient. Data parallel: the weight's
+        rows updated by other ranks arrive first."""
+        self.forge_ready()
         if torch._C._current_graph_task_id() == -1:
             self._forge_updates = 0
 
     def __getstate__(self):
         # Weak references and hook handles belong to this object: a copy makes its own.
         state = dict(self.__dict__)
-        for key in ("_forge_nodes", "_forge_hook", "_forge_anchor"):
+        for key in ("_forge_nodes", "_forge_hook", "_forge_anchor", "forge_dp"):
             state.pop(key, None)
         return state
 
@@ -257,7 +259,14 @@ class FusedWeightMixin:
     @torch.no_grad()
     def forge_fused_step(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
         rule, group, state = self.forge_rule, self.forge_group, self.forge_state
-        state.allocate(self.weight, group, transposed=self.forge_transposed)
+        weight, param = self.forge_weight_view().data, self.weight
+        dp = self.__dict__.get("forge_dp")
+        if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
+            x2, dy2 = dp.gather_tokens(x2, dy2)
+            start, stop = dp.rows(weight.shape[0])
+            weight, dy2 = weight[start:stop], dy2[:, start:stop]
+            param = param[start:stop]  # sharding is row-wise on (out, in) weights only
+        state.allocate(param, group, transposed=self.forge_transposed)
         scalars = rule.prepare(group, state.host)
         assert len(scalars) == NUM_SCALARS
         device = self.weight.device
@@ -265,8 +274,16 @@ class FusedWeightMixin:
             self.forge_stats = self.forge_stats.to(device)
         args = pack_args(scalars, state.step, layer_salt(self.forge_seed, self.forge_layer_index), device)
         run = resolve_backend(self.forge_backend, device)
-        run(x2, dy2, self.forge_weight_view().data, state.kernel_slots(), args, self.forge_stats,
+        run(x2, dy2, weight, state.kernel_slots(), args, self.forge_stats,
             rule.name, self.forge_rounding == "stochastic")
+        if dp is not None:
+            dp.share_rows(self.forge_weight_view().data)
+
+    def forge_ready(self) -> None:
+        """Finish a pending data-parallel gather of updated rows before the weight is read."""
+        dp = self.__dict__.get("forge_dp")
+        if dp is not None:
+            dp.wait()
 
     def forge_active(self) -> bool:
         return self.forge_enabled and self.training and torch.is_grad_enabled() and self.weight.requires_grad

@@ -151,41 +151,64 @@ class ForgeOptimizer(torch.optim.Optimizer):
             )
         return loss
 
+    # Elements per chunk of the non-fused step: bounds its fp32 and hash temporaries to a
+    # few hundred MB, where a whole 0.5B-entry embedding would take tens of GB at once.
+    CHUNK = 1 << 24
+
     def _step_tensor(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """One rule step of ``p`` from ``p.grad``: (its squared sum, 1 if it was skipped).
 
         A fused layer's weight (fusion switched off) is stepped in the kernels' (out, in)
-        view with its layer's state, which may be 8-bit; other states are fp32 or bf16."""
+        view with its layer's state, which may be 8-bit; other states are fp32 or bf16.
+        Rows are stepped a chunk at a time; the arithmetic per element is unchanged."""
         if p.grad.is_sparse:
             raise RuntimeError("sparse gradients are not supported by ForgeOptimizer: "
                                "use nn.Embedding(sparse=False)")
         state, layer = self.state[p], self._layers.get(p)
         transposed = layer.forge_transposed if layer is not None else None
         state.allocate(p, group, transposed=transposed)
-        w, g = (p.t(), p.grad.t().float()) if transposed else (p, p.grad.float())
+        w, g = (p.t(), p.grad.t()) if transposed else (p, p.grad)
         # fp32 constants, as the kernels receive them (linear.pack_args); the step counts
         # even when the gradient is skipped, as for a fused layer whose tiles all are
-        consts = torch.tensor(self.rule.prepare(group, state.host), dtype=torch.float32).to(p.device)
+        consts = torch.tensor(self.rule.prepare(group, state.host), dtype=torch.float32).to(p.device).unbind()
         ok = torch.isfinite(g).all()
         slots = state.kernel_slots()
         if any(isinstance(s, QuantisedSlot) for s in slots) and not ok:
-            return g.new_zeros(()), g.new_ones(())  # codes cannot be masked: skip on the host
-        values = [g.new_zeros(()) if s is None else s.read() if isinstance(s, QuantisedSlot) else s.float()
-                  for s in slots]
-        outs = RULE_UPDATES[self.rule.name](w.float(), g, *values, *consts.unbind())
-        elem = torch.arange(w.numel(), device=p.device).view(w.shape)  # the kernels' element index
-        salt, step = self._salt[p], state.step
-        for slot_id, (dst, value) in enumerate(zip([w, *slots], outs)):
+            return g.new_zeros((), dtype=torch.float32), g.new_ones((), dtype=torch.float32)  # codes cannot be masked
+        rows2d = w.shape[0] if w.dim() == 2 else 1
+        as2d = (lambda t: t) if w.dim() == 2 else (lambda t: t.reshape(rows2d, -1))
+        w2, g2 = as2d(w), as2d(g)
+        plain = [as2d(s) if s is not None and not isinstance(s, QuantisedSlot) else s for s in slots]
+        if w.dim() != 2 and not all(t is None or t.data_ptr() == u.data_ptr() for t, u in zip([w2, *plain], [w, *slots])):
+            raise RuntimeError(f"a non-contiguous {tuple(p.shape)} parameter cannot be stepped in place: "
+                               "make it contiguous before creating the ForgeOptimizer")
+        n_cols = w2.shape[1]
+        step_rows = max(1, self.CHUNK // max(n_cols, 1))
+        sq = torch.zeros((), device=p.device)
+        for r0 in range(0, rows2d, step_rows):
+            rows = slice(r0, min(r0 + step_rows, rows2d))
+            sq += self._step_rows(p, w2, g2[rows].float(), plain, rows, consts, ok, state.step)
+        return torch.where(ok, sq, 0.0), (~ok).float()
+
+    def _step_rows(self, p, w2, g, slots, rows, consts, ok, step) -> torch.Tensor:
+        values = [g.new_zeros(()) if s is None else s.read(rows) if isinstance(s, QuantisedSlot)
+                  else s[rows].float() for s in slots]
+        outs = RULE_UPDATES[self.rule.name](w2[rows].float(), g, *values, *consts)
+        n_cols = w2.shape[1]
+        r = torch.arange(rows.start, rows.stop, device=p.device)
+        elem = r[:, None] * n_cols + torch.arange(n_cols, device=p.device)[None, :]  # the kernels' element index
+        salt = self._salt[p]
+        for slot_id, (dst, value) in enumerate(zip([w2, *slots], outs)):
             if dst is None:
                 continue
             if isinstance(dst, QuantisedSlot):
                 stochastic = self.stochastic and dst.codec.stochastic
-                dst.write(value, u=uniform(random_bits(elem, salt, step, slot_id)) if stochastic else 0.5)
+                dst.write(value, rows, u=uniform(random_bits(elem, salt, step, slot_id)) if stochastic else 0.5)
                 continue
             if dst.dtype == torch.bfloat16:
                 value = round_to_bf16(value, elem, salt, step, slot_id, self.stochastic)
-            dst.copy_(torch.where(ok, value.to(dst.dtype), dst))  # a non-finite gradient writes nothing
-        return torch.where(ok, (g * g).sum(), 0.0), (~ok).float()
+            dst[rows] = torch.where(ok, value.to(dst.dtype), dst[rows])  # a non-finite gradient writes nothing
+        return (g * g).sum()
 
     def pop_nonfinite_tiles(self) -> int:
         """Tiles skipped for a non-finite gradient since the last call."""

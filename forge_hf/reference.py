@@ -4,13 +4,14 @@ Triton, and the oracle the Triton kernel is tested against.
 It mirrors kernels/fused_update.py: identical tiles, fp32 accumulation, the same rule code
 object (``ops`` bound to torch), the same non-finite-tile skipping and statistics, and the
 same integer-domain bf16 rounding with the same hash, so stochastic rounding gives the
-same bits on both backends.
+same bits on both backends, and the same 8-bit codec arithmetic (codecs.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .codecs import BLOCK, QuantisedSlot, uniform
 from .rules import NUM_SCALARS, RULES, bind_update
 
 RULE_UPDATES = {name: bind_update(rule, torch) for name, rule in RULES.items()}
@@ -78,6 +79,8 @@ def reference_fused_update(
     salt = int(args_cpu[NUM_SCALARS + 1].item()) & _M32
     N, K = weight.shape
     BN, BK, _ = blocks
+    if BK % BLOCK and any(isinstance(s, QuantisedSlot) for s in slots):
+        raise ValueError(f"reference BLOCK_K={BK} splits {BLOCK}-element codec blocks: use a multiple of {BLOCK}")
     xf = x.float()
     dyf = dy.float()
     for n0 in range(0, N, BN):
@@ -91,13 +94,19 @@ def reference_fused_update(
             stats[0] += (g * g).sum()
             w_tile = weight[rows, cols]
             zero = torch.zeros_like(g)
-            s_in = [s[rows, cols].float() if s is not None else zero for s in slots]
+            s_in = [zero if s is None else s.read(rows, cols) if isinstance(s, QuantisedSlot)
+                    else s[rows, cols].float() for s in slots]
             outs = update(w_tile.float(), g, *s_in, *consts)
             r = torch.arange(rows.start, rows.stop, device=weight.device, dtype=torch.int64)
             c = torch.arange(cols.start, cols.stop, device=weight.device, dtype=torch.int64)
             elem = r[:, None] * K + c[None, :]
             for slot_id, (dst, value) in enumerate(zip([weight, *slots], outs)):
                 if dst is None:
+                    continue
+                if isinstance(dst, QuantisedSlot):
+                    stochastic_codes = stochastic and dst.codec.stochastic
+                    u = uniform(random_bits(elem, salt, step, slot_id)) if stochastic_codes else 0.5
+                    dst.write(value, rows, cols, u)
                     continue
                 if dst.dtype == torch.bfloat16:
                     value = round_to_bf16(value, elem, salt, step, slot_id, stochastic)

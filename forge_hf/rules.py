@@ -17,6 +17,8 @@ A rule has three parts:
 Slots are the weight-shaped optimizer-state tensors, named as torch.optim names them so
 state_dicts read naturally. A rule may need only some of its slots for given
 hyperparameters (SGD without momentum has none); ``slots(group)`` says which.
+``slot_signed`` says which slots may hold negative values (momenta) and which never do
+(second moments, sums of squares): 8-bit storage picks its code by it (codecs.py).
 
 The order of operations in each ``update`` follows torch.optim's single-tensor
 (``foreach=False``) implementation, so fp32 results agree to round-off.
@@ -274,10 +276,15 @@ class Rule:
     prepare: Callable[[dict, dict], list[float]]
     update: types.FunctionType
     slots: Callable[[dict], tuple[bool, bool, bool]]
+    slot_signed: tuple[bool, ...]  # one per slot name: False for a state that is never negative
     slot_init: Callable[[dict], tuple[float, float, float]] = field(
         default=lambda group: (0.0, 0.0, 0.0)
     )
     host_init: Callable[[], dict] = field(default=lambda: {"step": 0})
+
+    def __post_init__(self):
+        if len(self.slot_signed) != len(self.slot_names):
+            raise ValueError(f"rule {self.name}: slot_signed needs one entry per slot name {self.slot_names}")
 
     def check(self, group: dict) -> None:
         """Validate hyperparameter values the way torch.optim does, naming the value."""
@@ -301,26 +308,27 @@ RULES: dict[str, Rule] = {
     rule.name: rule
     for rule in (
         Rule("adamw", "AdamW", ("exp_avg", "exp_avg_sq"), dict(_ADAM_DEFAULTS, weight_decay=1e-2),
-             _adamw_prepare, _adamw_update, _always(2)),
+             _adamw_prepare, _adamw_update, _always(2), slot_signed=(True, False)),
         Rule("nadam", "NAdam", ("exp_avg", "exp_avg_sq"),
              dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
                   decoupled_weight_decay=False),
-             _nadam_prepare, _nadam_update, _always(2), host_init=lambda: {"step": 0, "mu_product": 1.0}),
+             _nadam_prepare, _nadam_update, _always(2), slot_signed=(True, False),
+             host_init=lambda: {"step": 0, "mu_product": 1.0}),
         Rule("radam", "RAdam", ("exp_avg", "exp_avg_sq"),
              dict(_ADAM_DEFAULTS, weight_decay=0.0, decoupled_weight_decay=False),
-             _radam_prepare, _radam_update, _always(2)),
+             _radam_prepare, _radam_update, _always(2), slot_signed=(True, False)),
         Rule("lion", "", ("exp_avg",), dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0),
-             _lion_prepare, _lion_update, _always(1)),
+             _lion_prepare, _lion_update, _always(1), slot_signed=(True,)),
         Rule("rmsprop", "RMSprop", ("square_avg", "momentum_buffer", "grad_avg"),
              dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False),
-             _rmsprop_prepare, _rmsprop_update, _rmsprop_slots),
+             _rmsprop_prepare, _rmsprop_update, _rmsprop_slots, slot_signed=(False, True, True)),
         Rule("adagrad", "Adagrad", ("sum",),
              dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10),
-             _adagrad_prepare, _adagrad_update, _always(1),
+             _adagrad_prepare, _adagrad_update, _always(1), slot_signed=(False,),
              slot_init=lambda group: (float(group["initial_accumulator_value"]), 0.0, 0.0)),
         Rule("sgd", "SGD", ("momentum_buffer",),
              dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False),
-             _sgd_prepare, _sgd_update, _sgd_slots),
+             _sgd_prepare, _sgd_update, _sgd_slots, slot_signed=(True,)),
     )
 }
 
@@ -332,13 +340,17 @@ def get_rule(name: str) -> Rule:
     return RULES[key]
 
 
-def bind_update(rule: Rule, ops_module) -> types.FunctionType:
-    """The rule's update with the free name ``ops`` bound to ``ops_module``.
+def bind_ops(fn: types.FunctionType, ops_module) -> types.FunctionType:
+    """``fn`` with its free name ``ops`` bound to ``ops_module``.
 
     The code object is shared, so both backends run the very same arithmetic."""
-    fn = rule.update
     scope = {"ops": ops_module, "__builtins__": __builtins__}
     return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def bind_update(rule: Rule, ops_module) -> types.FunctionType:
+    """The rule's update with ``ops`` bound to ``ops_module`` (see bind_ops)."""
+    return bind_ops(rule.update, ops_module)
 
 
 def make_group(rule: Rule, hyperparameters: dict) -> dict:

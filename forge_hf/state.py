@@ -1,6 +1,12 @@
 """Per-weight optimizer state of a fused layer: weight-shaped slots, allocated lazily at
 the layer's first fused step, plus the host-side counters of its rule (step, NAdam's
-mu_product). ``state_dict`` is what optimizer checkpoints carry."""
+mu_product). ``state_dict`` is what optimizer checkpoints carry.
+
+A slot is an fp32 or bf16 tensor in the parameter's shape and layout, or, for the 8-bit
+precisions, a codecs.QuantisedSlot (codes in that layout, per-block metadata in logical
+(out, in / 64) coordinates). The codec of a slot follows from the precision and whether the
+rule's slot is signed (rules.Rule.slot_signed).
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,18 @@ import warnings
 
 import torch
 
+from .codecs import CODECS, QuantisedSlot, slot_codec
 from .rules import Rule
 
-STATE_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STATE_PRECISIONS = ("fp32", "bf16", "int8", "al8")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ROUNDINGS = ("stochastic", "nearest")
 
 
 def check_state_precision(precision: str) -> str:
     if precision not in STATE_PRECISIONS:
         raise ValueError(
-            f"unknown state_precision={precision!r}: choose one of {sorted(STATE_PRECISIONS)}"
+            f"unknown state_precision={precision!r}: choose one of {list(STATE_PRECISIONS)}"
         )
     return precision
 
@@ -28,11 +36,26 @@ def check_rounding(rounding: str) -> str:
     return rounding
 
 
+def _logical(slot, transposed: bool):
+    """A slot as (out_features, in_features), the kernels' view."""
+    if slot is None:
+        return None
+    if isinstance(slot, QuantisedSlot):
+        return slot.logical(transposed)
+    return slot.t() if transposed else slot
+
+
 class ForgeState:
-    def __init__(self, rule: Rule, precision: str):
+    """``transposed``: for a fused layer's weight, whether the parameter is stored
+    (in, out) (Conv1D); None for a tensor the ordinary optimizer steps (embeddings, norms,
+    biases). Those states are never quantised: under an 8-bit precision they stay fp32,
+    the quantisation seed's G1 grouping (they are the sensitive ones, and small)."""
+
+    def __init__(self, rule: Rule, precision: str, transposed: bool | None = None):
         self.rule = rule
         self.precision = check_state_precision(precision)
-        self.slots: list[torch.Tensor | None] = [None, None, None]
+        self.transposed = transposed
+        self.slots: list = [None, None, None]
         self.host: dict = rule.host_init()
         self.allocated = False
 
@@ -40,30 +63,55 @@ class ForgeState:
     def step(self) -> int:
         return self.host["step"]
 
-    def allocate(self, param: torch.Tensor, group: dict) -> None:
-        """Create the slots this rule needs for ``group``, in the parameter's layout."""
+    @property
+    def storage(self) -> str:
+        """The precision the slots are actually stored in."""
+        quantisable = self.transposed is not None or self.precision in _DTYPES
+        return self.precision if quantisable else "fp32"
+
+    def _new_slot(self, param: torch.Tensor, index: int, fill: float):
+        codec = slot_codec(self.storage, self.rule.slot_signed[index])
+        if codec is None:
+            return torch.full_like(param, fill, dtype=_DTYPES[self.storage],
+                                   memory_format=torch.preserve_format).detach()
+        slot = QuantisedSlot.empty_like(param, codec, self.transposed)  # all zeros
+        if fill != 0.0:
+            view = slot.logical(self.transposed)
+            view.write(torch.full(view.codes.shape, fill, device=param.device))
+        return slot
+
+    def allocate(self, param: torch.Tensor, group: dict, transposed: bool | None = None) -> None:
+        """Create the slots this rule needs for ``group``, in the parameter's layout. A fused
+        layer passes ``transposed`` (a state reset by ForgeState.__init__ learns it again)."""
+        if transposed is not None:
+            self.transposed = transposed
         if self.allocated:
             return
-        dtype = STATE_PRECISIONS[self.precision]
         inits = self.rule.slot_init(group)
         for i, needed in enumerate(self.rule.slots(group)):
             if needed:
-                self.slots[i] = torch.full_like(
-                    param, inits[i], dtype=dtype, memory_format=torch.preserve_format
-                ).detach()
+                self.slots[i] = self._new_slot(param, i, inits[i])
         self.allocated = True
 
+    def kernel_slots(self) -> list:
+        """The slots as (out_features, in_features) views, what the backends take."""
+        return [_logical(s, bool(self.transposed)) for s in self.slots]
+
     def nbytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self.slots if s is not None)
+        """Bytes of the allocated state tensors, codes and metadata included."""
+        return sum(s.nbytes() if isinstance(s, QuantisedSlot) else s.untyped_storage().nbytes()
+                   for s in self.slots if s is not None)
 
     def state_dict(self) -> dict:
-        names = self.rule.slot_names
-        return {
-            "rule": self.rule.name,
-            "precision": self.precision,
-            **{k: v for k, v in self.host.items()},
-            **{names[i]: s for i, s in enumerate(self.slots) if s is not None},
-        }
+        sd = {"rule": self.rule.name, "precision": self.storage, **self.host}
+        for name, s in zip(self.rule.slot_names, self.slots):
+            if isinstance(s, QuantisedSlot):
+                # codes and metadata exactly as stored, and how to read them back
+                sd.update({name: s.codes, f"{name}_meta": s.meta, f"{name}_codec": s.codec.name,
+                           "transposed": bool(self.transposed)})
+            elif s is not None:
+                sd[name] = s
+        return sd
 
     def load_state_dict(self, sd: dict, param: torch.Tensor) -> None:
         if sd.get("rule", self.rule.name) != self.rule.name:
@@ -71,18 +119,34 @@ class ForgeState:
                 f"checkpoint state was written by forge rule {sd['rule']!r} but this layer uses "
                 f"{self.rule.name!r}: patch the model with optimizer={sd['rule']!r}"
             )
-        source = sd.get("precision", self.precision)
-        if source != self.precision:
+        source = sd.get("precision", self.storage)
+        if source != self.storage:
             warnings.warn(
-                f"optimizer state saved as {source} is converted to {self.precision} on load",
+                f"optimizer state saved as {source} is converted to {self.storage} on load",
                 stacklevel=3,
             )
-        dtype = STATE_PRECISIONS[self.precision]
         self.host = {k: sd[k] for k in self.rule.host_init()}
         for i, name in enumerate(self.rule.slot_names):
             if name in sd:
-                value = sd[name].to(device=param.device)
-                slot = torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
-                slot.copy_(value)
-                self.slots[i] = slot
+                self.slots[i] = self._loaded_slot(sd, name, i, param)
         self.allocated = any(s is not None for s in self.slots) or self.host["step"] > 0
+
+    def _loaded_slot(self, sd: dict, name: str, index: int, param: torch.Tensor):
+        slot = self._new_slot(param, index, 0.0)
+        saved = sd[name].to(param.device)
+        codec = sd.get(f"{name}_codec")
+        if codec is not None:
+            saved = QuantisedSlot(CODECS[codec], saved, sd[f"{name}_meta"].to(param.device))
+            if isinstance(slot, QuantisedSlot) and slot.codec == saved.codec \
+                    and slot.meta.shape == saved.meta.shape:
+                slot.codes.copy_(saved.codes)  # same codec: the very codes, no re-rounding
+                slot.meta.copy_(saved.meta)
+                return slot
+            was_transposed = bool(sd.get("transposed", False))
+            saved = _logical(saved.logical(was_transposed).read(), was_transposed)  # back to param layout
+        # another precision: dequantise (above), then store as this state's precision
+        if isinstance(slot, QuantisedSlot):
+            slot.logical(bool(self.transposed)).write(_logical(saved.float(), bool(self.transposed)))
+        else:
+            slot.copy_(saved)
+        return slot

@@ -8,7 +8,8 @@ kernel counts it and adds each good tile's squared gradient sum (for grad-norm l
 into ``stats``.
 
 Shapes: x (T, K), dy (T, N), weight/states (N, K) through arbitrary strides, so a
-transposed (Conv1D) weight needs no copy. ``args`` is int32: NUM_SCALARS fp32 bit
+transposed (Conv1D) weight needs no copy. 8-bit states add fp32 metadata (N, KB, width),
+KB = ceil(K / 64), contiguous (codecs.py). ``args`` is int32: NUM_SCALARS fp32 bit
 patterns of the rule's constants, then the step and the rounding salt.
 """
 
@@ -20,7 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import codecs
+from ..codecs import QuantisedSlot, storage_kind
 from ..rules import NUM_SCALARS, RULES, bind_update
+from .codecs import NONE, block_index, load_state, store_state
 from .storage import load_value, store_value
 
 # The interpreter multiplies bf16 bit patterns as integers in tl.dot: upcast there.
@@ -36,12 +40,13 @@ def _scalar(args_ptr, i: tl.constexpr):
 
 @triton.jit
 def fused_update_kernel(
-    x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr,
-    T, N, K,
+    x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr,
+    T, N, K, KB,
     stride_xt, stride_xk, stride_dyt, stride_dyn, stride_wn, stride_wk,
     RULE_UPDATE: tl.constexpr,
-    HAS_S0: tl.constexpr, HAS_S1: tl.constexpr, HAS_S2: tl.constexpr,
-    W_BF16: tl.constexpr, S_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (codecs.py)
+    QUANTISED: tl.constexpr,
+    W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -73,15 +78,19 @@ def fused_update_kernel(
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
     w = load_value(w_ptr, offs, mask, W_BF16)
+    if QUANTISED:
+        block, block_mask = block_index(rn, tl.program_id(1), N, KB, BLOCK_K)
+    else:
+        block, block_mask = 0, False
     s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     s1 = s0
     s2 = s0
-    if HAS_S0:
-        s0 = load_value(s0_ptr, offs, mask, S_BF16)
-    if HAS_S1:
-        s1 = load_value(s1_ptr, offs, mask, S_BF16)
-    if HAS_S2:
-        s2 = load_value(s2_ptr, offs, mask, S_BF16)
+    if S0 != NONE:
+        s0 = load_state(s0_ptr, m0_ptr, offs, mask, block, block_mask, S0, BLOCK_N, BLOCK_K)
+    if S1 != NONE:
+        s1 = load_state(s1_ptr, m1_ptr, offs, mask, block, block_mask, S1, BLOCK_N, BLOCK_K)
+    if S2 != NONE:
+        s2 = load_state(s2_ptr, m2_ptr, offs, mask, block, block_mask, S2, BLOCK_N, BLOCK_K)
     w, s0, s1, s2 = RULE_UPDATE(
         w, acc, s0, s1, s2,
         _scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3),
@@ -94,13 +103,19 @@ def fused_update_kernel(
     salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
     elem = (rn[:, None] * K + rk[None, :]).to(tl.uint32)
     keep = mask & ((tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32) + n_bad) == 0)
+    block_keep = block_mask
+    if QUANTISED:
+        block_keep = block_mask & ((block * 0 + n_bad) == 0)  # broadcast: a scalar mask fails
     store_value(w_ptr, offs, w, keep, elem, salt, step, 0, W_BF16, STOCHASTIC)
-    if HAS_S0:
-        store_value(s0_ptr, offs, s0, keep, elem, salt, step, 1, S_BF16, STOCHASTIC)
-    if HAS_S1:
-        store_value(s1_ptr, offs, s1, keep, elem, salt, step, 2, S_BF16, STOCHASTIC)
-    if HAS_S2:
-        store_value(s2_ptr, offs, s2, keep, elem, salt, step, 3, S_BF16, STOCHASTIC)
+    if S0 != NONE:
+        store_state(s0_ptr, m0_ptr, offs, s0, mask, keep, block, block_keep, elem, salt, step, 1,
+                    S0, STOCHASTIC, BLOCK_N, BLOCK_K)
+    if S1 != NONE:
+        store_state(s1_ptr, m1_ptr, offs, s1, mask, keep, block, block_keep, elem, salt, step, 2,
+                    S1, STOCHASTIC, BLOCK_N, BLOCK_K)
+    if S2 != NONE:
+        store_state(s2_ptr, m2_ptr, offs, s2, mask, keep, block, block_keep, elem, salt, step, 3,
+                    S2, STOCHASTIC, BLOCK_N, BLOCK_K)
 
 
 ARGS_LEN = NUM_SCALARS + 2
@@ -117,11 +132,30 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+def _slot_pointers(slot, weight: torch.Tensor, dummy: torch.Tensor):
+    """(values or codes, metadata) tensors of one slot; a missing slot points at dummies."""
+    if slot is None:
+        return _as_bits(weight), dummy
+    codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
+    if codes.shape != weight.shape or codes.stride() != weight.stride():
+        raise ValueError(f"a state of shape {tuple(codes.shape)} and strides {codes.stride()} does not "
+                         f"match the weight's {tuple(weight.shape)}/{weight.stride()}: allocate states "
+                         "with ForgeState so they share the weight's layout")
+    if isinstance(slot, QuantisedSlot):
+        n, k = weight.shape
+        meta_shape = (n, codecs.blocks_per_row(k), slot.codec.meta_width)
+        if tuple(slot.meta.shape) != meta_shape or not slot.meta.is_contiguous():
+            raise ValueError(f"{slot.codec.name} metadata of shape {tuple(slot.meta.shape)} does not fit a "
+                             f"({n}, {k}) weight: it must be contiguous {meta_shape} (ForgeState allocates it)")
+        return slot.codes, slot.meta
+    return _as_bits(slot), dummy
+
+
 def launch_fused_update(
     x: torch.Tensor,  # (T, K)
     dy: torch.Tensor,  # (T, N)
     weight: torch.Tensor,  # (N, K) view of the parameter, any strides; fp32 or bf16
-    slots: list,  # three (N, K) tensors or None, same strides as weight
+    slots: list,  # three (N, K) tensors, QuantisedSlots or None, same strides as weight
     args: torch.Tensor,  # int32 (ARGS_LEN,), on the weight's device
     stats: torch.Tensor,  # fp32 (2,): [sum of squared gradients, non-finite tiles]
     rule_name: str,
@@ -133,20 +167,22 @@ def launch_fused_update(
     T, K = x.shape
     N = weight.shape[0]
     BN, BK, BT = blocks or default_blocks(N, K, T)
-    present = [s is not None for s in slots]
-    state_dtypes = {s.dtype for s in slots if s is not None}
-    s_bf16 = state_dtypes == {torch.bfloat16}
+    kinds = [storage_kind(s) for s in slots]
+    quantised = any(isinstance(s, QuantisedSlot) for s in slots)
+    if quantised and BK % codecs.BLOCK:
+        raise ValueError(f"BLOCK_K={BK} splits the {codecs.BLOCK}-element blocks of 8-bit states: "
+                         f"use a BLOCK_K that is a multiple of {codecs.BLOCK}")
     w_bits = _as_bits(weight)
-    ptrs = [_as_bits(s) if s is not None else w_bits for s in slots]
+    (p0, m0), (p1, m1), (p2, m2) = (_slot_pointers(s, weight, stats) for s in slots)
     dot_fp32 = INTERPRETER or x.dtype == torch.float32 or dy.dtype == torch.float32
     grid = (triton.cdiv(N, BN), triton.cdiv(K, BK))
     fused_update_kernel[grid](
-        x, dy, w_bits, ptrs[0], ptrs[1], ptrs[2], args, stats,
-        T, N, K,
+        x, dy, w_bits, p0, p1, p2, m0, m1, m2, args, stats,
+        T, N, K, codecs.blocks_per_row(K),
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1),
         RULE_UPDATE=RULE_UPDATES[rule_name],
-        HAS_S0=present[0], HAS_S1=present[1], HAS_S2=present[2],
-        W_BF16=weight.dtype == torch.bfloat16, S_BF16=s_bf16, STOCHASTIC=stochastic,
+        S0=kinds[0], S1=kinds[1], S2=kinds[2], QUANTISED=quantised,
+        W_BF16=weight.dtype == torch.bfloat16, STOCHASTIC=stochastic,
         DOT_FP32=dot_fp32,
         BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT,
         num_warps=num_warps, num_stages=num_stages,

@@ -1,0 +1,37 @@
+"""Real-shaped models from their public configs, random weights, built on the GPU in bf16."""
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+QWEN3 = dict(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+             num_key_value_heads=8, rms_norm_eps=1e-6)
+SHAPES = {
+    "llama-3.1-8b": (LlamaConfig, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                       max_position_embeddings=131072, rope_theta=5e5, rms_norm_eps=1e-5,
+                                       tie_word_embeddings=False)),
+    "qwen3-0.6b": (Qwen3Config, dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                     num_attention_heads=16, tie_word_embeddings=True)),
+    "qwen3-1.7b": (Qwen3Config, dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                     num_attention_heads=16, tie_word_embeddings=True)),
+    "qwen3-4b": (Qwen3Config, dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                   num_attention_heads=32, tie_word_embeddings=True)),
+    "qwen3-8b": (Qwen3Config, dict(QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                   num_attention_heads=32, tie_word_embeddings=False)),
+    "qwen3-14b": (Qwen3Config, dict(QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                                    num_attention_heads=40, tie_word_embeddings=False)),
+    "qwen3-32b": (Qwen3Config, dict(QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                    num_attention_heads=64, tie_word_embeddings=False)),
+}
+
+
+def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", seed=0):
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}: choose one of {sorted(SHAPES)}")
+    cls, kw = SHAPES[name]
+    config = cls(**kw, attn_implementation=attn)
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the GPU: seconds, not minutes, for 8B
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.train()
+    return model

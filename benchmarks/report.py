@@ -1,0 +1,75 @@
+"""Markdown table and plot from run_grid.py's JSON.
+
+    python benchmarks/report.py benchmarks/results/grid.json   # writes grid.md and grid.png beside it
+"""
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def summarize(results):
+    """One row per (model, cell, arm): medians over rounds."""
+    groups = defaultdict(list)
+    for r in results:
+        groups[(r["model"], f'{r["batch"]}x{r["seq"]}', r["arm"])].append(r)
+    rows = []
+    for (model, cell, arm), rs in groups.items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        row = dict(model=model, cell=cell, arm=arm, status=rs[0]["status"] if not ok else "ok")
+        if ok:
+            for key in ("step_ms", "peak_gib", "tokens_per_s", "fused_kernel_ms"):
+                vals = [r[key] for r in ok if key in r]
+                if vals:
+                    row[key] = statistics.median(vals)
+            row["spread_ms"] = max(r["step_ms_q3"] - r["step_ms_q1"] for r in ok)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows):
+    lines = ["| model | batch x seq | arm | step ms (IQR) | peak GiB | tokens/s | fused kernel ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f'| {r["model"]} | {r["cell"]} | {r["arm"]} | {r["status"]} | | | |')
+            continue
+        kernel = f'{r["fused_kernel_ms"]:.1f}' if "fused_kernel_ms" in r else ""
+        lines.append(f'| {r["model"]} | {r["cell"]} | {r["arm"]} | {r["step_ms"]:.1f} ({r["spread_ms"]:.1f}) '
+                     f'| {r["peak_gib"]:.1f} | {r["tokens_per_s"]:.0f} | {kernel} |')
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    ok = [r for r in rows if r["status"] == "ok"]
+    keys = sorted({(r["model"], r["cell"]) for r in ok})
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.2 * len(keys)), squeeze=False)
+    for i, key in enumerate(keys):
+        sel = [r for r in ok if (r["model"], r["cell"]) == key]
+        names = [r["arm"] for r in sel]
+        for j, (metric, label) in enumerate((("step_ms", "step time (ms)"), ("peak_gib", "peak memory (GiB)"))):
+            ax = axes[i][j]
+            ax.barh(names, [r[metric] for r in sel], color=["tab:red" if n.startswith("forge") else "tab:gray" for n in names])
+            ax.set_xlabel(label)
+            ax.set_title(f"{key[0]}, batch x seq {key[1]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(path):
+    src = Path(path)
+    rows = summarize(json.loads(src.read_text())["results"])
+    src.with_suffix(".md").write_text(markdown(rows))
+    plot(rows, src.with_suffix(".png"))
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

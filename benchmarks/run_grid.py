@@ -1,0 +1,173 @@
+"""Step time and peak memory of optimizer arms on real-shaped models (GPU, bf16 everywhere).
+
+    python benchmarks/run_grid.py --models llama-3.1-8b --cells 1x512 --out benchmarks/results/grid.json
+
+Arms run in one process; with --rounds 2 the second round runs them in reverse order, so
+drift of the card's clocks does not favour one arm. Each arm builds a fresh model, runs
+``--warmup`` steps, then times ``--steps`` steps with CUDA events (median and spread),
+records ``max_memory_allocated`` since the model was built, tokens/s, and the GPU time of
+the fused kernel per step (torch profiler over 3 extra steps). OOM is recorded as a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from models import build_model
+
+ARMS = ["adamw_foreach", "adamw_fused", "grad_release_fused", "forge_fp32", "forge_bf16", "forge_int8",
+        "bnb_adamw8bit"]
+LR = 1e-5
+
+
+def _torch_adamw(model, **kw):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, **kw)
+
+
+class GradRelease:
+    """Per-parameter gradient release: each parameter is stepped by its own fused AdamW as
+    soon as its gradient is accumulated, and the gradient is freed at once."""
+
+    def __init__(self, model):
+        self.opts = {}
+        for p in model.parameters():
+            self.opts[p] = torch.optim.AdamW([p], lr=LR, weight_decay=0.01, fused=True)
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        self.opts[p].step()
+        p.grad = None
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+def make_optimizer(arm, model):
+    if arm == "adamw_foreach":
+        return _torch_adamw(model, foreach=True)
+    if arm == "adamw_fused":
+        return _torch_adamw(model, fused=True)
+    if arm == "grad_release_fused":
+        return GradRelease(model)
+    if arm.startswith("forge_"):
+        import forge_hf
+
+        forge_hf.patch_model(model, optimizer="adamw", state_precision=arm.split("_", 1)[1], lr=LR,
+                             weight_decay=0.01)
+        return forge_hf.ForgeOptimizer(model, lr=LR, weight_decay=0.01)
+    if arm == "bnb_adamw8bit":
+        import bitsandbytes as bnb  # only when its wheel is present
+
+        return bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.01)
+    raise ValueError(f"unknown arm {arm!r}: choose from {ARMS}")
+
+
+def fused_kernel_ms(step, steps=3):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages() if "fused_update_kernel" in e.key)
+    return total_us / 1e3 / steps
+
+
+def run_cell(model_name, arm, batch, seq, warmup, steps):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    result = dict(model=model_name, arm=arm, batch=batch, seq=seq)
+    model = opt = None
+    try:
+        gib = lambda: torch.cuda.memory_allocated() / 2**30
+        model = build_model(model_name)
+        result["params"] = sum(p.numel() for p in model.parameters())
+        phases = {"model": gib()}
+        opt = make_optimizer(arm, model)
+        phases["optimizer"] = gib()
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        data = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda", generator=gen)
+
+        def step():
+            model(input_ids=data, labels=data).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        # where the memory goes, on the first step (states are allocated lazily)
+        loss = model(input_ids=data, labels=data).loss
+        phases["after_forward"] = gib()
+        loss.backward()
+        phases["after_backward"] = gib()
+        phases["peak_first_backward"] = torch.cuda.max_memory_allocated() / 2**30
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        phases["after_step"] = gib()
+        del loss
+        result["memory_phases_gib"] = phases
+        for _ in range(warmup - 1):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        q = statistics.quantiles(times, n=4)
+        median = statistics.median(times)
+        result.update(status="ok", step_ms=median, step_ms_q1=q[0], step_ms_q3=q[2],
+                      tokens_per_s=batch * seq / (median / 1e3),
+                      peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        if arm.startswith("forge_"):
+            result["fused_kernel_ms"] = fused_kernel_ms(step)
+    except torch.cuda.OutOfMemoryError:
+        result.update(status="OOM", peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    except (ImportError, ValueError) as e:  # no bitsandbytes wheel, or a precision not built yet
+        result.update(status="unavailable", reason=f"{type(e).__name__}: {e}")
+    finally:
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama-3.1-8b")
+    ap.add_argument("--cells", default="1x512", help="comma-separated BATCHxSEQ")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    opts = ap.parse_args()
+    arms = opts.arms.split(",")
+    results = []
+    for model_name in opts.models.split(","):
+        for cell in opts.cells.split(","):
+            batch, seq = map(int, cell.split("x"))
+            for r in range(opts.rounds):
+                for arm in (arms if r % 2 == 0 else arms[::-1]):
+                    t0 = time.time()
+                    res = run_cell(model_name, arm, batch, seq, opts.warmup, opts.steps)
+                    res.update(round=r, wall_s=time.time() - t0)
+                    results.append(res)
+                    print(json.dumps(res), flush=True)
+                    with open(opts.out, "w") as f:  # keep what is done if a later cell dies
+                        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                       results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

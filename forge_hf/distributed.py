@@ -1,0 +1,153 @@
+"""Exact FORGE under data parallelism (paper §4; ../shared/DESIGN.md §3).
+
+A rank's partial gradient cannot be fused exactly (paper Prop. 2), but the full gradient
+is G = dY_all^T X_all, where dY_all and X_all are the token-axis all-gathers of every
+rank's saved input and output gradient. Each fused layer therefore gathers its
+activations in backward instead of reducing a weight gradient, and:
+
+* ``mode="replicated"``: every rank applies the identical update to the whole weight;
+* ``mode="sharded"`` (default): rank r owns a contiguous band of tile rows, keeps the
+  optimizer state of those rows only, updates them, and the updated rows are all-gathered
+  (asynchronously; the layer waits before it next reads the weight) - ZeRO-like.
+
+Ranks are concatenated in rank order along the token axis, so the gradient is the one a
+single process sees for the concatenated batch. Each rank's loss is a mean over its own
+batch (as under DDP), so the gathered output gradient is divided by the world size, as
+DDP's all-reduce averages.
+
+Non-fused parameters keep DDP's ordinary all-reduce: ``enable_data_parallel`` lists the
+fused weights in ``model._ddp_params_and_buffers_to_ignore``, which DDP reads when it
+wraps the model (so call it first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+MODES = ("sharded", "replicated")
+
+
+class TokenGather:
+    """All-gathers (T_r, C) tensors along the token axis, ranks in order, any T_r."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.bytes_sent = 0  # for the traffic test: what this rank put on the wire
+
+    def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        t_local = tensors[0].shape[0]
+        sizes = torch.tensor([t_local], dtype=torch.int64, device=tensors[0].device)
+        all_sizes = [torch.empty_like(sizes) for _ in range(self.world)]
+        dist.all_gather(all_sizes, sizes, group=self.group)
+        counts = [int(s.item()) for s in all_sizes]
+        longest = max(counts)
+        out = []
+        works = []
+        for t in tensors:
+            padded = t.new_zeros((longest, t.shape[1]))
+            padded[:t_local] = t
+            buf = t.new_empty((self.world * longest, t.shape[1]))
+            works.append(dist.all_gather_into_tensor(buf, padded.contiguous(), group=self.group, async_op=True))
+            self.bytes_sent += padded.numel() * padded.element_size()
+            out.append(buf)
+        for w in works:
+            w.wait()
+        if all(c == longest for c in counts):
+            return out
+        keep = torch.cat([torch.arange(r * longest, r * longest + c, device=out[0].device)
+                          for r, c in enumerate(counts)])
+        return [b.index_select(0, keep) for b in out]
+
+
+def row_band(n_rows: int, block_n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) owned by ``rank``: whole tiles of ``block_n`` rows, balanced,
+    so every rank's tiles are the ones a single process would form."""
+    tiles = -(-n_rows // block_n)
+    per_rank = -(-tiles // world)
+    start = min(rank * per_rank * block_n, n_rows)
+    stop = min(start + per_rank * block_n, n_rows)
+    return start, stop
+
+
+class DataParallelFusion:
+    """The data-parallel context of one fused layer (set as ``layer.forge_dp``)."""
+
+    # Bands of 64 rows: whole tiles of both backends (per-element sums do not depend on
+    # the tiling, so this is for balance, not exactness).
+    def __init__(self, mode: str = "sharded", group=None, block_n: int = 64):
+        if mode not in MODES:
+            raise ValueError(f"unknown data-parallel mode={mode!r}: choose one of {list(MODES)}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "forge data parallelism needs an initialised torch.distributed process group: "
+                "launch with torchrun or accelerate launch, or call torch.distributed.init_process_group first"
+            )
+        self.mode = mode
+        self.gather = TokenGather(group)
+        self.group = group
+        self.world, self.rank = self.gather.world, self.gather.rank
+        self.block_n = block_n
+        self.pending = None  # the async all-gather of updated rows, waited on before next read
+        self.bytes_sent = 0
+
+    def rows(self, n_rows: int) -> tuple[int, int]:
+        if self.mode == "replicated":
+            return 0, n_rows
+        return row_band(n_rows, self.block_n, self.world, self.rank)
+
+    def gather_tokens(self, x2, dy2):
+        x_all, dy_all = self.gather.gather(x2, dy2)
+        self.bytes_sent = self.gather.bytes_sent
+        return x_all, dy_all / self.world
+
+    def share_rows(self, weight_view: torch.Tensor) -> None:
+        """Start the all-gather of every rank's updated rows into ``weight_view`` (N, K)."""
+        if self.mode == "replicated":
+            return
+        n_rows = weight_view.shape[0]
+        bands = [row_band(n_rows, self.block_n, self.world, r) for r in range(self.world)]
+        longest = max(b - a for a, b in bands)
+        start, stop = bands[self.rank]
+        mine = weight_view.new_zeros((longest, weight_view.shape[1]))
+        mine[: stop - start] = weight_view[start:stop]
+        buf = weight_view.new_empty((self.world * longest, weight_view.shape[1]))
+        work = dist.all_gather_into_tensor(buf, mine, group=self.group, async_op=True)
+        self.gather.bytes_sent += mine.numel() * mine.element_size()
+        self.bytes_sent = self.gather.bytes_sent
+        self.pending = (work, buf, bands, longest, weight_view)
+
+    def wait(self) -> None:
+        """Complete the pending row gather (before the weight is read again)."""
+        if self.pending is None:
+            return
+        work, buf, bands, longest, weight_view = self.pending
+        self.pending = None
+        work.wait()
+        with torch.no_grad():
+            for r, (a, b) in enumerate(bands):
+                if r != self.rank and b > a:
+                    weight_view[a:b].copy_(buf[r * longest: r * longest + (b - a)])
+
+
+def enable_data_parallel(model: torch.nn.Module, mode: str = "sharded", group=None) -> list[str]:
+    """Give every fused layer of ``model`` a data-parallel context and keep its weight out
+    of DDP's gradient reducer. Call after patch_model and before wrapping in DDP (or
+    accelerate's prepare). Returns the fused weights' parameter names."""
+    from .linear import FusedWeightMixin  # linear imports nothing from here
+
+    names = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, FusedWeightMixin):
+            module.forge_dp = DataParallelFusion(mode, group)
+            names.append(f"{module_name}.weight" if module_name else "weight")
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} has no fused layers: call forge_hf.patch_model(model, ...) before "
+            "enable_data_parallel"
+        )
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names))
+    return names

@@ -1,0 +1,66 @@
+"""One rank of the data-parallel tests (started by tests/test_distributed.py, gloo on CPU)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import forge_hf
+from forge_hf.distributed import enable_data_parallel
+
+VOCAB, SEQ = 128, 12
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=200, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def global_batch(step, size):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+
+
+def train(world, rank, local_batch, steps, mode, state_precision="fp32"):
+    """Train; rank < 0 means one process with the whole global batch. Returns the model
+    and its optimizer."""
+    model = tiny_llama()
+    forge_hf.patch_model(model, optimizer="adamw", state_precision=state_precision, backend="reference",
+                         min_params=0, lr=1e-2, weight_decay=0.01)
+    runner = model
+    if rank >= 0:
+        enable_data_parallel(model, mode=mode)
+        runner = DistributedDataParallel(model)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
+    for step in range(steps):
+        ids = global_batch(step, world * local_batch)
+        if rank >= 0:
+            ids = ids[rank * local_batch:(rank + 1) * local_batch]
+        runner(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def main(rank, world, init_file, out_dir, mode, local_batch, steps):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model, opt = train(world, rank, local_batch, steps, mode)
+    fused = forge_hf.optim.fused_layers(model)
+    state_bytes = sum(m.forge_state.nbytes() for m in fused.values())
+    sent = sum(m.forge_dp.bytes_sent for m in fused.values())
+    full_state = opt.state_dict()  # gathers shards: loadable by one process
+    torch.save(dict(weights={k: v.detach().clone() for k, v in model.state_dict().items()},
+                    state_bytes=state_bytes, bytes_sent=sent, optimizer=full_state if rank == 0 else None),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    main(rank, world, sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))

@@ -1,0 +1,94 @@
+"""Exact FORGE under data parallelism: N gloo ranks with local batch b against one process
+with batch N*b (tests/dp_worker.py runs each rank)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dp_worker
+from helpers import RTOL_FP32
+
+STEPS, LOCAL_BATCH = 5, 2
+HERE = Path(__file__).parent
+
+
+def _launch(world, mode, tmp_path):
+    init = tmp_path / "rendezvous"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "dp_worker.py"), str(r), str(world), str(init),
+                               str(tmp_path), mode, str(LOCAL_BATCH), str(STEPS)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _assert_like_single_process(weights, single):
+    for name, ref in single.items():
+        got = weights[name]
+        diff = (got - ref).abs() / ref.abs().max().clamp_min(1e-30)
+        # fused weights see the single process's gradient exactly; non-fused ones get DDP's
+        # averaged gradient (another summation order), which Adam may amplify where a
+        # gradient is ~eps: the core issue's criterion
+        assert (diff <= RTOL_FP32).float().mean() >= 0.999, name
+        assert diff.max() <= 1e-3, name
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    cache = {}
+
+    def run(world):
+        if world not in cache:
+            model, opt = dp_worker.train(world, -1, LOCAL_BATCH, STEPS, mode=None)
+            cache[world] = (model, opt)
+        return cache[world]
+
+    return run
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["sharded", "replicated"])
+def test_ranks_match_one_process_and_each_other(world, mode, tmp_path, single_process):
+    ranks = _launch(world, mode, tmp_path)
+    model, opt = single_process(world)
+    single = {k: v.detach() for k, v in model.state_dict().items()}
+    for r in ranks[1:]:
+        for name, w in ranks[0]["weights"].items():
+            assert torch.equal(w, r["weights"][name]), f"replicas differ in {name}"
+    _assert_like_single_process(ranks[0]["weights"], single)
+
+    fused = dp_worker.forge_hf.optim.fused_layers(model)
+    single_state = sum(m.forge_state.nbytes() for m in fused.values())
+    per_rank = [r["state_bytes"] for r in ranks]
+    if mode == "sharded":
+        assert sum(per_rank) == single_state
+        assert max(per_rank) <= single_state / world * 1.35  # whole 64-row tiles per rank
+    else:
+        assert per_rank == [single_state] * world
+
+    # what one rank sends per step, against DDP's ring all-reduce of the fused gradients
+    fused_grad_bytes = sum(m.weight.numel() * 4 for m in fused.values())
+    ddp_bytes = 2 * (world - 1) / world * fused_grad_bytes
+    sent = ranks[0]["bytes_sent"] / STEPS
+    print(f"world={world} {mode}: forge sends {sent / 1e3:.1f} kB/step/rank, DDP {ddp_bytes / 1e3:.1f} kB")
+    assert sent < ddp_bytes
+
+    # the data-parallel checkpoint loads into one process and gives the same states
+    from forge_hf import ForgeOptimizer
+
+    fresh_model, _ = dp_worker.train(world, -1, LOCAL_BATCH, 0, mode=None)
+    fresh = ForgeOptimizer(fresh_model, lr=1e-2, weight_decay=0.01)
+    fresh.load_state_dict(ranks[0]["optimizer"])
+    for (name, m), m_ref in zip(dp_worker.forge_hf.optim.fused_layers(fresh_model).items(), fused.values()):
+        assert m.forge_state.step == m_ref.forge_state.step
+        for a, b in zip(m.forge_state.slots, m_ref.forge_state.slots):
+            if b is not None:
+                assert (a.float() - b.float()).abs().max() <= 1e-3 * b.float().abs().max() + 1e-12, name
