@@ -344,7 +344,9 @@ def bind_ops(fn: types.FunctionType, ops_module) -> types.FunctionType:
     """``fn`` with its free name ``ops`` bound to ``ops_module``.
 
     The code object is shared, so both backends run the very same arithmetic."""
-    scope = {"ops": ops_module, "__builtins__": __builtins__}
+    # __name__ gives the new function a __module__: Triton's compiler reads it on every
+    # global a kernel touches, and fails on None
+    scope = {"ops": ops_module, "__builtins__": __builtins__, "__name__": fn.__module__}
     return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
 
 

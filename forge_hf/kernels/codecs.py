@@ -41,8 +41,11 @@ def block_index(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
 @triton.jit
 def load_state(ptr, meta_ptr, offs, mask, block, block_mask,
                KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    if KIND == FP32 or KIND == BF16:
-        value = load_value(ptr, offs, mask, KIND == BF16)
+    # if/elif, not `a or b`: compiled Triton folds only plain constexpr comparisons
+    if KIND == FP32:
+        value = load_value(ptr, offs, mask, False)
+    elif KIND == BF16:
+        value = load_value(ptr, offs, mask, True)
     else:
         codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
         codes = tl.reshape(codes, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
@@ -62,8 +65,10 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, elem,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store a tile; ``mask`` marks the elements inside the weight (the codec blocks'
     statistics see only those), ``keep`` those to write."""
-    if KIND == FP32 or KIND == BF16:
-        store_value(ptr, offs, value, keep, elem, salt, step, slot, KIND == BF16, STOCHASTIC)
+    if KIND == FP32:
+        store_value(ptr, offs, value, keep, elem, salt, step, slot, False, STOCHASTIC)
+    elif KIND == BF16:
+        store_value(ptr, offs, value, keep, elem, salt, step, slot, True, STOCHASTIC)
     else:
         x = tl.reshape(value, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         valid = tl.reshape(mask, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))

@@ -151,7 +151,7 @@ def _slot_pointers(slot, weight: torch.Tensor, dummy: torch.Tensor):
     return _as_bits(slot), dummy
 
 
-def launch_fused_update(
+def kernel_call(
     x: torch.Tensor,  # (T, K)
     dy: torch.Tensor,  # (T, N)
     weight: torch.Tensor,  # (N, K) view of the parameter, any strides; fp32 or bf16
@@ -161,9 +161,10 @@ def launch_fused_update(
     rule_name: str,
     stochastic: bool,
     blocks: tuple[int, int, int] | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
-) -> None:
+    dot_fp32: bool | None = None,
+) -> tuple[tuple, list, dict]:
+    """(grid, positional arguments, constexpr arguments) of the launch for these tensors;
+    tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py)."""
     T, K = x.shape
     N = weight.shape[0]
     BN, BK, BT = blocks or default_blocks(N, K, T)
@@ -174,16 +175,25 @@ def launch_fused_update(
                          f"use a BLOCK_K that is a multiple of {codecs.BLOCK}")
     w_bits = _as_bits(weight)
     (p0, m0), (p1, m1), (p2, m2) = (_slot_pointers(s, weight, stats) for s in slots)
-    dot_fp32 = INTERPRETER or x.dtype == torch.float32 or dy.dtype == torch.float32
-    grid = (triton.cdiv(N, BN), triton.cdiv(K, BK))
-    fused_update_kernel[grid](
+    if dot_fp32 is None:
+        dot_fp32 = INTERPRETER or x.dtype == torch.float32 or dy.dtype == torch.float32
+    positional = [
         x, dy, w_bits, p0, p1, p2, m0, m1, m2, args, stats,
         T, N, K, codecs.blocks_per_row(K),
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1),
+    ]
+    constexprs = dict(
         RULE_UPDATE=RULE_UPDATES[rule_name],
         S0=kinds[0], S1=kinds[1], S2=kinds[2], QUANTISED=quantised,
         W_BF16=weight.dtype == torch.bfloat16, STOCHASTIC=stochastic,
         DOT_FP32=dot_fp32,
         BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT,
-        num_warps=num_warps, num_stages=num_stages,
     )
+    return (triton.cdiv(N, BN), triton.cdiv(K, BK)), positional, constexprs
+
+
+def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic,
+                        blocks=None, num_warps: int = 4, num_stages: int = 3) -> None:
+    """One fused step of one layer (arguments as in kernel_call)."""
+    grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks)
+    fused_update_kernel[grid](*positional, **constexprs, num_warps=num_warps, num_stages=num_stages)

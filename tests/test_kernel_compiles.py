@@ -1,0 +1,76 @@
+"""Compile the fused kernel for Hopper (sm_90) without a GPU.
+
+The interpreter runs kernels as Python, so errors that only the compiler sees (types of
+branches, constexpr folding, global lookups) would wait for a GPU run. Triton's wheel
+carries ptxas, so the whole pipeline down to the cubin runs here; each variant is what
+launch_fused_update would launch for those tensors. The compiles run in one child process
+without TRITON_INTERPRET (conftest sets it for this one)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+WEIGHT_STATE = ["fp32-fp32", "bf16-bf16", "fp32-bf16", "bf16-int8", "bf16-al8"]
+RULE_NAMES = ["adagrad", "adamw", "lion", "nadam", "radam", "rmsprop", "sgd"]
+
+
+def compile_all() -> dict:
+    """Run in the child: {"rule/weight-state": "ok" or the error}."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from forge_hf.kernels.fused_update import fused_update_kernel, kernel_call
+    from forge_hf.linear import pack_args
+    from forge_hf.rules import get_rule, make_group
+    from forge_hf.state import ForgeState
+
+    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int16: "i16", torch.int32: "i32",
+             torch.int8: "i8", torch.uint8: "u8"}
+    extra = {"rmsprop": dict(momentum=0.9, centered=True), "sgd": dict(momentum=0.9)}
+    names = fused_update_kernel.arg_names
+    results = {}
+    for rule_name in RULE_NAMES:
+        for variant in WEIGHT_STATE:
+            wname, precision = variant.split("-")
+            try:
+                rule = get_rule(rule_name)
+                group = make_group(rule, extra.get(rule_name, {}))
+                weight = torch.zeros(200, 300, dtype=torch.float32 if wname == "fp32" else torch.bfloat16)
+                state = ForgeState(rule, precision, transposed=False)
+                state.allocate(weight, group)
+                x, dy = torch.zeros(77, 300, dtype=torch.bfloat16), torch.zeros(77, 200, dtype=torch.bfloat16)
+                args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
+                _, positional, constexprs = kernel_call(x, dy, weight, state.kernel_slots(), args, torch.zeros(2),
+                                                        rule_name, True, (64, 128, 64), dot_fp32=False)
+                sig = {n: ("*" + types[v.dtype]) if torch.is_tensor(v) else "i32" for n, v in zip(names, positional)}
+                sig.update({k: "constexpr" for k in constexprs})
+                source = triton.compiler.ASTSource(
+                    fn=fused_update_kernel, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                          options=dict(num_warps=4, num_stages=3))
+                results[f"{rule_name}/{variant}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
+            except Exception as e:  # reported per variant by the tests below
+                results[f"{rule_name}/{variant}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, test_kernel_compiles as t; print('RESULTS' + json.dumps(t.compile_all()))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                         capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS")]
+    assert lines, run.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS"):])
+
+
+@pytest.mark.parametrize("variant", WEIGHT_STATE)
+@pytest.mark.parametrize("rule_name", RULE_NAMES)
+def test_kernel_compiles_for_sm90(compiled, rule_name, variant):
+    assert compiled[f"{rule_name}/{variant}"] == "ok", compiled[f"{rule_name}/{variant}"]
