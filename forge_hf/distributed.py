@@ -35,13 +35,14 @@ class TokenGather:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.bytes_sent = 0  # for the traffic test: what this rank put on the wire
+        self.bytes_sent = 0  # what this rank puts on the wire (ring all-gather: world - 1 chunks)
 
     def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         t_local = tensors[0].shape[0]
         sizes = torch.tensor([t_local], dtype=torch.int64, device=tensors[0].device)
         all_sizes = [torch.empty_like(sizes) for _ in range(self.world)]
         dist.all_gather(all_sizes, sizes, group=self.group)
+        self.bytes_sent += (self.world - 1) * sizes.numel() * sizes.element_size()
         counts = [int(s.item()) for s in all_sizes]
         longest = max(counts)
         out = []
@@ -51,7 +52,7 @@ class TokenGather:
             padded[:t_local] = t
             buf = t.new_empty((self.world * longest, t.shape[1]))
             works.append(dist.all_gather_into_tensor(buf, padded.contiguous(), group=self.group, async_op=True))
-            self.bytes_sent += padded.numel() * padded.element_size()
+            self.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()
             out.append(buf)
         for w in works:
             w.wait()
@@ -63,8 +64,7 @@ class TokenGather:
 
 
 def row_band(n_rows: int, block_n: int, world: int, rank: int) -> tuple[int, int]:
-    """Rows [start, stop) owned by ``rank``: whole tiles of ``block_n`` rows, balanced,
-    so every rank's tiles are the ones a single process would form."""
+    """Rows [start, stop) owned by ``rank``: whole groups of ``block_n`` rows, balanced."""
     tiles = -(-n_rows // block_n)
     per_rank = -(-tiles // world)
     start = min(rank * per_rank * block_n, n_rows)
@@ -75,9 +75,9 @@ def row_band(n_rows: int, block_n: int, world: int, rank: int) -> tuple[int, int
 class DataParallelFusion:
     """The data-parallel context of one fused layer (set as ``layer.forge_dp``)."""
 
-    # Bands of 64 rows: whole tiles of both backends (per-element sums do not depend on
-    # the tiling, so this is for balance, not exactness).
-    def __init__(self, mode: str = "sharded", group=None, block_n: int = 64):
+    # Bands are whole multiples of 8 rows: fine enough to balance the states of small
+    # layers; a band needs no alignment to the kernel's tiles (a slice is launched as is).
+    def __init__(self, mode: str = "sharded", group=None, block_n: int = 8):
         if mode not in MODES:
             raise ValueError(f"unknown data-parallel mode={mode!r}: choose one of {list(MODES)}")
         if not dist.is_available() or not dist.is_initialized():
@@ -103,19 +103,36 @@ class DataParallelFusion:
         self.bytes_sent = self.gather.bytes_sent
         return x_all, dy_all / self.world
 
+    def _bands(self, n_rows: int) -> list[tuple[int, int]]:
+        return [row_band(n_rows, self.block_n, self.world, r) for r in range(self.world)]
+
+    def gather_rows(self, t: torch.Tensor, n_rows: int) -> torch.Tensor:
+        """Every rank's band of a row-sharded tensor (rows first), as the whole (n_rows, ...)."""
+        bands = self._bands(n_rows)
+        longest = max(b - a for a, b in bands)
+        mine = t.new_zeros((longest, *t.shape[1:]))
+        mine[: t.shape[0]] = t
+        buf = t.new_empty((self.world * longest, *t.shape[1:]))
+        dist.all_gather_into_tensor(buf, mine.contiguous(), group=self.group)
+        return torch.cat([buf[r * longest: r * longest + (b - a)] for r, (a, b) in enumerate(bands)])
+
+    def shard_rows(self, t: torch.Tensor, n_rows: int) -> torch.Tensor:
+        start, stop = self.rows(n_rows)
+        return t[start:stop].clone()
+
     def share_rows(self, weight_view: torch.Tensor) -> None:
         """Start the all-gather of every rank's updated rows into ``weight_view`` (N, K)."""
         if self.mode == "replicated":
             return
         n_rows = weight_view.shape[0]
-        bands = [row_band(n_rows, self.block_n, self.world, r) for r in range(self.world)]
+        bands = self._bands(n_rows)
         longest = max(b - a for a, b in bands)
         start, stop = bands[self.rank]
         mine = weight_view.new_zeros((longest, weight_view.shape[1]))
         mine[: stop - start] = weight_view[start:stop]
         buf = weight_view.new_empty((self.world * longest, weight_view.shape[1]))
         work = dist.all_gather_into_tensor(buf, mine, group=self.group, async_op=True)
-        self.gather.bytes_sent += mine.numel() * mine.element_size()
+        self.gather.bytes_sent += (self.world - 1) * mine.numel() * mine.element_size()
         self.bytes_sent = self.gather.bytes_sent
         self.pending = (work, buf, bands, longest, weight_view)
 
@@ -141,7 +158,8 @@ def enable_data_parallel(model: torch.nn.Module, mode: str = "sharded", group=No
     names = []
     for module_name, module in model.named_modules():
         if isinstance(module, FusedWeightMixin):
-            module.forge_dp = DataParallelFusion(mode, group)
+            # a transposed (Conv1D) weight's rows are strided columns: replicate it
+            module.forge_dp = DataParallelFusion("replicated" if module.forge_transposed else mode, group)
             names.append(f"{module_name}.weight" if module_name else "weight")
     if not names:
         raise ValueError(

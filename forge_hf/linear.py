@@ -273,9 +273,10 @@ class FusedWeightMixin:
         if self.forge_stats.device != device:
             self.forge_stats = self.forge_stats.to(device)
         args = pack_args(scalars, state.step, layer_salt(self.forge_seed, self.forge_layer_index), device)
-        run = resolve_backend(self.forge_backend, device)
-        run(x2, dy2, weight, state.kernel_slots(), args, self.forge_stats,
-            rule.name, self.forge_rounding == "stochastic")
+        if weight.shape[0] > 0:  # a rank may own no rows of a small layer
+            run = resolve_backend(self.forge_backend, device)
+            run(x2, dy2, weight, state.kernel_slots(), args, self.forge_stats,
+                rule.name, self.forge_rounding == "stochastic")
         if dp is not None:
             dp.share_rows(self.forge_weight_view().data)
 

@@ -130,11 +130,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 loss = closure()
         sq = torch.zeros((), device=self._device)
         bad = torch.zeros((), device=self._device)
+        sharded = torch.zeros(2, device=self._device)  # data parallel: this rank's rows only
         for layer in self._layers.values():
             stats = layer.forge_stats
-            sq += stats[0].to(self._device)
-            bad += stats[1].to(self._device)
+            dp = layer.__dict__.get("forge_dp")
+            if dp is not None:
+                dp.wait()  # after step() every rank holds the whole updated weight
+            if dp is not None and dp.mode == "sharded":
+                sharded += stats.to(self._device)
+            else:
+                sq += stats[0].to(self._device)
+                bad += stats[1].to(self._device)
             stats.zero_()
+        if any(m.__dict__.get("forge_dp") is not None and m.forge_dp.mode == "sharded" for m in self._layers.values()):
+            import torch.distributed as dist
+
+            dist.all_reduce(sharded)
+        sq += sharded[0]
+        bad += sharded[1]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -220,9 +233,29 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()  # param_groups (hyperparameters) with torch's parameter indices
-        sd["state"] = {i: self.state[p].state_dict() for i, p in enumerate(self._params())
+        sd["state"] = {i: self._full_state(p) for i, p in enumerate(self._params())
                        if self.state[p].allocated}
         return sd
+
+    def _sharding(self, p):
+        layer = self._layers.get(p)
+        dp = layer.__dict__.get("forge_dp") if layer is not None else None
+        return (dp, layer.forge_weight_view().shape[0]) if dp is not None and dp.mode == "sharded" else (None, 0)
+
+    def _full_state(self, p) -> dict:
+        """A layer's state as one process holds it: data-parallel row shards are gathered
+        (every rank must call state_dict), so checkpoints load into any world size."""
+        sd = self.state[p].state_dict()
+        dp, n_rows = self._sharding(p)
+        if dp is None:
+            return sd
+        return {k: dp.gather_rows(v, n_rows) if torch.is_tensor(v) else v for k, v in sd.items()}
+
+    def _own_state(self, p, sd: dict) -> dict:
+        dp, n_rows = self._sharding(p)
+        if dp is None:
+            return sd
+        return {k: dp.shard_rows(v, n_rows) if torch.is_tensor(v) else v for k, v in sd.items()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("state", {})
@@ -232,7 +265,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(self._params()):
             state = self.state[p]
             if i in saved:
-                state.load_state_dict(saved[i], p)
+                dp, n_rows = self._sharding(p)
+                state.load_state_dict(self._own_state(p, saved[i]), p if dp is None else p[slice(*dp.rows(n_rows))])
             else:
                 state.__init__(state.rule, state.precision)  # nothing saved: start fresh
         self.link_layers()  # torch built new group dicts

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
+from .distributed import MODES, enable_data_parallel
 from .optim import ForgeOptimizer, fused_layers
 from .patch import patch_model
 from .rules import RULES, Rule
@@ -25,7 +26,7 @@ OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_n
 # optim_args keys that configure patch_model / ForgeOptimizer rather than the rule, and
 # how their text is read; patch_model's defaults apply to those not given.
 OPTION_TYPES = dict(state_precision=str, rounding=str, backend=str, include=list, exclude=list,
-                    min_params=int, stop_on_nonfinite=bool)
+                    min_params=int, stop_on_nonfinite=bool, data_parallel=str)
 
 
 def rule_name(optim) -> str | None:
@@ -90,6 +91,7 @@ class ForgeOptions:
     hyperparameters: dict  # torch.optim names: lr, weight_decay, betas, eps, momentum, ...
     patch: dict = field(default_factory=dict)  # patch_model options given (state_precision, ...)
     stop_on_nonfinite: bool = False
+    data_parallel: str = "sharded"  # several processes: forge_hf.distributed's mode
 
 
 def _convert(key: str, text: str, kind: type):
@@ -145,10 +147,18 @@ def forge_options(args) -> ForgeOptions:
             raise ValueError(f"unknown optim_args key {key!r} for optim='{PREFIX}{name}': "
                              f"it takes {accepted}")
     stop = options.pop("stop_on_nonfinite", False)
-    return ForgeOptions(name, hyperparameters, options, stop)
+    mode = options.pop("data_parallel", "sharded")
+    if mode not in MODES:
+        raise ValueError(f"optim_args data_parallel={mode!r} is not a mode: use one of {list(MODES)}")
+    return ForgeOptions(name, hyperparameters, options, stop, mode)
 
 
 # ------------------------------------------------------------------ guards
+
+
+# accelerate's distributed types under which forge_hf.distributed keeps the step exact
+_DATA_PARALLEL_TYPES = {"NO", "MULTI_GPU", "MULTI_CPU", "DistributedType.NO", "DistributedType.MULTI_GPU",
+                        "DistributedType.MULTI_CPU"}
 
 
 def check_training_arguments(args, accelerator=None) -> None:
@@ -168,11 +178,15 @@ def check_training_arguments(args, accelerator=None) -> None:
             "DeepSpeed is not supported with forge optimizers (it owns the optimizer step): remove the "
             "deepspeed config and train in one process"
         )
-    processes = max(args.world_size, accelerator.num_processes if accelerator is not None else 1)
-    if processes > 1 or args.fsdp:
+    if args.fsdp or (accelerator is not None and accelerator.distributed_type == "FSDP"):
         raise ValueError(
-            f"data parallelism over {processes} processes is not supported yet by forge optimizers (each "
-            "process would step its weights with its own partial gradient): launch one process"
+            "FSDP is not supported with forge optimizers (it shards and reduces the gradients the fused "
+            "step never forms): launch plain data parallelism (DDP), which forge runs exactly"
+        )
+    if accelerator is not None and str(accelerator.distributed_type) not in _DATA_PARALLEL_TYPES:
+        raise ValueError(
+            f"distributed_type={accelerator.distributed_type} is not supported with forge optimizers: "
+            "launch plain data parallelism (accelerate launch --multi_gpu, or torchrun)"
         )
     if args.n_gpu > 1:
         raise ValueError(
@@ -245,6 +259,8 @@ class ForgeTrainerMixin:
                         "above gives each module's reason): add min_params=0 to optim_args to fuse small "
                         "layers, widen include/exclude, or use an ordinary optim such as adamw_torch"
                     )
+            if self.args.world_size > 1:  # before accelerate wraps the model in DDP
+                enable_data_parallel(model, mode=o.data_parallel)
             decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
             self.optimizer = ForgeOptimizer(model, decay_parameter_names=decay,
                                             stop_on_nonfinite=o.stop_on_nonfinite, **o.hyperparameters)

@@ -11,12 +11,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import forge_hf
 from forge_hf.distributed import enable_data_parallel
 
-VOCAB, SEQ = 128, 12
+VOCAB, SEQ = 128, 8
 
 
 def tiny_llama():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=200, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False)
     return LlamaForCausalLM(config)
@@ -32,12 +32,12 @@ def train(world, rank, local_batch, steps, mode, state_precision="fp32"):
     and its optimizer."""
     model = tiny_llama()
     forge_hf.patch_model(model, optimizer="adamw", state_precision=state_precision, backend="reference",
-                         min_params=0, lr=1e-2, weight_decay=0.01)
+                         min_params=0, lr=1e-3, weight_decay=0.01)
     runner = model
     if rank >= 0:
         enable_data_parallel(model, mode=mode)
         runner = DistributedDataParallel(model)
-    opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01)
     for step in range(steps):
         ids = global_batch(step, world * local_batch)
         if rank >= 0:

@@ -235,11 +235,46 @@ def test_refusals(tmp_path, overrides, after, match):
         ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
 
 
-@pytest.mark.parametrize("field,match", [("world_size", "over 2 processes"), ("n_gpu", "n_gpu=2")])
-def test_refuses_several_processes_or_gpus(tmp_path, monkeypatch, field, match):
-    monkeypatch.setattr(TrainingArguments, field, property(lambda self: 2))
-    with pytest.raises(ValueError, match=match):
+def test_refuses_torch_data_parallel_over_gpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(ValueError, match="n_gpu=2"):
         ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=dataset())
+
+
+def _guard_args(**overrides):
+    from types import SimpleNamespace
+
+    values = dict(gradient_accumulation_steps=1, fp16=False, deepspeed=None, fsdp=[], n_gpu=1,
+                  auto_find_batch_size=False)
+    return SimpleNamespace(**{**values, **overrides})
+
+
+def test_refuses_fsdp():
+    from types import SimpleNamespace
+
+    from forge_hf.trainer import check_training_arguments
+
+    with pytest.raises(ValueError, match="FSDP is not supported"):
+        check_training_arguments(_guard_args(fsdp=["full_shard"]))
+    with pytest.raises(ValueError, match="FSDP is not supported"):
+        check_training_arguments(_guard_args(), SimpleNamespace(distributed_type="FSDP"))
+
+
+def test_refuses_a_distributed_type_other_than_data_parallel():
+    from types import SimpleNamespace
+
+    from forge_hf.trainer import check_training_arguments
+
+    for kind in ("MEGATRON_LM", "XLA"):
+        with pytest.raises(ValueError, match=f"distributed_type={kind} is not supported"):
+            check_training_arguments(_guard_args(), SimpleNamespace(distributed_type=kind))
+    check_training_arguments(_guard_args(), SimpleNamespace(distributed_type="MULTI_CPU"))  # DDP is fine
+
+
+def test_bad_data_parallel_mode_is_refused(tmp_path):
+    args = training_args(tmp_path, optim_args=f"{FAST},data_parallel=zero3")
+    with pytest.raises(ValueError, match="data_parallel='zero3' is not a mode"):
+        ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
 
 
 def test_refuses_to_train_when_nothing_is_fused(tmp_path):
