@@ -100,6 +100,9 @@ class ForgeArguments:
                                         "(default: patch_model's)."})
     forge_stop_on_nonfinite: bool | None = field(
         default=None, metadata={"help": "Stop training when a tile's gradient is not finite."})
+    forge_data_parallel: str | None = field(
+        default=None, metadata={"help": "Several processes: 'sharded' (each rank keeps the states of "
+                                        "its weight rows; default) or 'replicated'."})
 
     def options(self) -> dict:
         """The set options, under patch_model's names (state_precision, rounding, ...)."""
