@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .codecs import QuantisedSlot, uniform
-from .linear import FusedWeightMixin, layer_salt
-from .reference import RULE_UPDATES, random_bits, round_to_bf16
+from .linear import FusedWeightMixin, layer_salt, pack_args, resolve_backend
+from .reference import RULE_UPDATES, random_bits, reference_fused_update, round_to_bf16
 from .rules import get_rule, make_group
 from .state import ForgeState
 
@@ -104,6 +104,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 self.state[p] = ForgeState(rule, precision)
                 self._salt[p] = layer_salt(seed, -1 - i)  # apart from the fused layers' streams
         self._device = named[0][1].device
+        # the fused layers' backend steps the non-fused tensors too: one Triton launch each
+        # on a GPU, instead of whole-tensor PyTorch temporaries
+        self._kernel = resolve_backend(first.forge_backend, self._device) is not reference_fused_update
         self._nonfinite = torch.zeros((), device=self._device)
         self.last_grad_norm: torch.Tensor | None = None
         self.link_layers()
@@ -183,9 +186,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         w, g = (p.t(), p.grad.t()) if transposed else (p, p.grad)
         # fp32 constants, as the kernels receive them (linear.pack_args); the step counts
         # even when the gradient is skipped, as for a fused layer whose tiles all are
-        consts = torch.tensor(self.rule.prepare(group, state.host), dtype=torch.float32).to(p.device).unbind()
-        ok = torch.isfinite(g).all()
+        scalars = self.rule.prepare(group, state.host)
         slots = state.kernel_slots()
+        if self._kernel:
+            return self._step_with_kernel(p, w, g, slots, scalars, state.step)
+        consts = torch.tensor(scalars, dtype=torch.float32).to(p.device).unbind()
+        ok = torch.isfinite(g).all()
         if any(isinstance(s, QuantisedSlot) for s in slots) and not ok:
             return g.new_zeros((), dtype=torch.float32), g.new_ones((), dtype=torch.float32)  # codes cannot be masked
         rows2d = w.shape[0] if w.dim() == 2 else 1
@@ -202,6 +208,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
             rows = slice(r0, min(r0 + step_rows, rows2d))
             sq += self._step_rows(p, w2, g2[rows].float(), plain, rows, consts, ok, state.step)
         return torch.where(ok, sq, 0.0), (~ok).float()
+
+    def _step_with_kernel(self, p, w, g, slots, scalars, step):
+        """The fused kernel's rule and store on an existing gradient. A non-finite tile is
+        skipped and counted tile by tile, as in a fused layer."""
+        from .kernels.fused_update import launch_rule_step
+
+        if w.dim() != 2:  # norms and biases: one row
+            if any(isinstance(s, QuantisedSlot) for s in slots) or not w.is_contiguous():
+                raise RuntimeError(f"cannot step a {tuple(w.shape)} tensor in place: make it contiguous")
+            w, g = w.view(1, -1), g.reshape(1, -1)
+            slots = [None if s is None else s.view(1, -1) for s in slots]
+        stats = torch.zeros(2, dtype=torch.float32, device=p.device)
+        args = pack_args(scalars, step, self._salt[p], p.device)
+        launch_rule_step(g, w.data, slots, args, stats, self.rule.name, self.stochastic)
+        return stats[0], stats[1]
 
     def _step_rows(self, p, w2, g, slots, rows, consts, ok, step) -> torch.Tensor:
         values = [g.new_zeros(()) if s is None else s.read(rows) if isinstance(s, QuantisedSlot)

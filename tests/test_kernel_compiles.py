@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-WEIGHT_STATE = ["fp32-fp32", "bf16-bf16", "fp32-bf16", "bf16-int8", "bf16-al8"]
+WEIGHT_STATE = ["fp32-fp32", "bf16-bf16", "fp32-bf16", "bf16-int8", "bf16-al8",
+                "bf16-bf16-grad", "bf16-int8-grad"]  # -grad: ForgeOptimizer's non-fused step
 RULE_NAMES = ["adagrad", "adamw", "lion", "nadam", "radam", "rmsprop", "sgd"]
 
 
@@ -35,7 +36,7 @@ def compile_all() -> dict:
     results = {}
     for rule_name in RULE_NAMES:
         for variant in WEIGHT_STATE:
-            wname, precision = variant.split("-")
+            wname, precision, *grad = variant.split("-")
             try:
                 rule = get_rule(rule_name)
                 group = make_group(rule, extra.get(rule_name, {}))
@@ -44,8 +45,11 @@ def compile_all() -> dict:
                 state.allocate(weight, group)
                 x, dy = torch.zeros(77, 300, dtype=torch.bfloat16), torch.zeros(77, 200, dtype=torch.bfloat16)
                 args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
+                if grad:  # the gradient is read: x is the (N, K) gradient itself
+                    x = dy = torch.zeros(200, 300, dtype=torch.bfloat16)
                 _, positional, constexprs = kernel_call(x, dy, weight, state.kernel_slots(), args, torch.zeros(2),
-                                                        rule_name, True, (64, 128, 64), dot_fp32=False)
+                                                        rule_name, True, (64, 128, 64), dot_fp32=False,
+                                                        grad_given=bool(grad))
                 sig = {n: ("*" + types[v.dtype]) if torch.is_tensor(v) else "i32" for n, v in zip(names, positional)}
                 sig.update({k: "constexpr" for k in constexprs})
                 source = triton.compiler.ASTSource(

@@ -47,25 +47,31 @@ def fused_update_kernel(
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (codecs.py)
     QUANTISED: tl.constexpr,
     W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rt = tl.arange(0, BLOCK_T)
 
-    # Phase 1: the gradient tile, fp32 accumulation over tokens.
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for t0 in range(0, T, BLOCK_T):
-        t = t0 + rt
-        dy_t = tl.load(dy_ptr + rn[:, None] * stride_dyn + t[None, :] * stride_dyt,
-                       mask=(rn[:, None] < N) & (t[None, :] < T), other=0.0)
-        x = tl.load(x_ptr + t[:, None] * stride_xt + rk[None, :] * stride_xk,
-                    mask=(t[:, None] < T) & (rk[None, :] < K), other=0.0)
-        if DOT_FP32:
-            acc += tl.dot(dy_t.to(tl.float32), x.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(dy_t, x)
+    # Phase 1: the gradient tile, fp32 accumulation over tokens - or, for a tensor that
+    # already has an ordinary gradient (ForgeOptimizer's non-fused ones), x_ptr is that
+    # (N, K) gradient and the tile is read.
+    if GRAD_GIVEN:
+        acc = tl.load(x_ptr + rn[:, None] * stride_xt + rk[None, :] * stride_xk,
+                      mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + rt
+            dy_t = tl.load(dy_ptr + rn[:, None] * stride_dyn + t[None, :] * stride_dyt,
+                           mask=(rn[:, None] < N) & (t[None, :] < T), other=0.0)
+            x = tl.load(x_ptr + t[:, None] * stride_xt + rk[None, :] * stride_xk,
+                        mask=(t[:, None] < T) & (rk[None, :] < K), other=0.0)
+            if DOT_FP32:
+                acc += tl.dot(dy_t.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(dy_t, x)
 
     # Non-finite tiles are counted and skipped; finite ones feed the grad norm.
     finite = (acc == acc) & (tl.abs(acc) < float("inf"))
@@ -162,11 +168,12 @@ def kernel_call(
     stochastic: bool,
     blocks: tuple[int, int, int] | None = None,
     dot_fp32: bool | None = None,
+    grad_given: bool = False,
 ) -> tuple[tuple, list, dict]:
     """(grid, positional arguments, constexpr arguments) of the launch for these tensors;
     tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py)."""
-    T, K = x.shape
-    N = weight.shape[0]
+    N, K = weight.shape
+    T = 0 if grad_given else x.shape[0]  # grad_given: x is the (N, K) gradient, dy unused
     BN, BK, BT = blocks or default_blocks(N, K, T)
     kinds = [storage_kind(s) for s in slots]
     quantised = any(isinstance(s, QuantisedSlot) for s in slots)
@@ -186,7 +193,7 @@ def kernel_call(
         RULE_UPDATE=RULE_UPDATES[rule_name],
         S0=kinds[0], S1=kinds[1], S2=kinds[2], QUANTISED=quantised,
         W_BF16=weight.dtype == torch.bfloat16, STOCHASTIC=stochastic,
-        DOT_FP32=dot_fp32,
+        DOT_FP32=dot_fp32, GRAD_GIVEN=grad_given,
         BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT,
     )
     return (triton.cdiv(N, BN), triton.cdiv(K, BK)), positional, constexprs
@@ -197,3 +204,11 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
     """One fused step of one layer (arguments as in kernel_call)."""
     grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks)
     fused_update_kernel[grid](*positional, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic, num_warps: int = 4) -> None:
+    """The rule and store of the fused kernel for a tensor whose (N, K) gradient exists:
+    one launch, no whole-tensor temporaries (ForgeOptimizer's non-fused parameters)."""
+    grid, positional, constexprs = kernel_call(grad, grad, weight, slots, args, stats, rule_name, stochastic,
+                                               grad_given=True)
+    fused_update_kernel[grid](*positional, **constexprs, num_warps=num_warps)
