@@ -91,7 +91,11 @@ class DataParallelFusion:
         self.world, self.rank = self.gather.world, self.gather.rank
         self.block_n = block_n
         self.pending = None  # the async all-gather of updated rows, waited on before next read
-        self.bytes_sent = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has put on the wire for this layer (activations and rows)."""
+        return self.gather.bytes_sent
 
     def rows(self, n_rows: int) -> tuple[int, int]:
         if self.mode == "replicated":
@@ -100,21 +104,32 @@ class DataParallelFusion:
 
     def gather_tokens(self, x2, dy2):
         x_all, dy_all = self.gather.gather(x2, dy2)
-        self.bytes_sent = self.gather.bytes_sent
         return x_all, dy_all / self.world
 
     def _bands(self, n_rows: int) -> list[tuple[int, int]]:
         return [row_band(n_rows, self.block_n, self.world, r) for r in range(self.world)]
 
-    def gather_rows(self, t: torch.Tensor, n_rows: int) -> torch.Tensor:
-        """Every rank's band of a row-sharded tensor (rows first), as the whole (n_rows, ...)."""
+    def _start_band_gather(self, mine: torch.Tensor, n_rows: int):
+        """All-gather every rank's band (``mine``: this rank's rows, rows first), each
+        padded to the longest band. Returns (work, buffer, bands, longest)."""
         bands = self._bands(n_rows)
         longest = max(b - a for a, b in bands)
-        mine = t.new_zeros((longest, *t.shape[1:]))
-        mine[: t.shape[0]] = t
-        buf = t.new_empty((self.world * longest, *t.shape[1:]))
-        dist.all_gather_into_tensor(buf, mine.contiguous(), group=self.group)
-        return torch.cat([buf[r * longest: r * longest + (b - a)] for r, (a, b) in enumerate(bands)])
+        padded = mine.new_zeros((longest, *mine.shape[1:]))
+        padded[: mine.shape[0]] = mine
+        buf = mine.new_empty((self.world * longest, *mine.shape[1:]))
+        work = dist.all_gather_into_tensor(buf, padded, group=self.group, async_op=True)
+        self.gather.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()
+        return work, buf, bands, longest
+
+    @staticmethod
+    def _band(buf: torch.Tensor, r: int, longest: int, band: tuple[int, int]) -> torch.Tensor:
+        return buf[r * longest: r * longest + (band[1] - band[0])]
+
+    def gather_rows(self, t: torch.Tensor, n_rows: int) -> torch.Tensor:
+        """Every rank's band of a row-sharded tensor (rows first), as the whole (n_rows, ...)."""
+        work, buf, bands, longest = self._start_band_gather(t, n_rows)
+        work.wait()
+        return torch.cat([self._band(buf, r, longest, band) for r, band in enumerate(bands)])
 
     def shard_rows(self, t: torch.Tensor, n_rows: int) -> torch.Tensor:
         start, stop = self.rows(n_rows)
@@ -124,17 +139,8 @@ class DataParallelFusion:
         """Start the all-gather of every rank's updated rows into ``weight_view`` (N, K)."""
         if self.mode == "replicated":
             return
-        n_rows = weight_view.shape[0]
-        bands = self._bands(n_rows)
-        longest = max(b - a for a, b in bands)
-        start, stop = bands[self.rank]
-        mine = weight_view.new_zeros((longest, weight_view.shape[1]))
-        mine[: stop - start] = weight_view[start:stop]
-        buf = weight_view.new_empty((self.world * longest, weight_view.shape[1]))
-        work = dist.all_gather_into_tensor(buf, mine, group=self.group, async_op=True)
-        self.gather.bytes_sent += (self.world - 1) * mine.numel() * mine.element_size()
-        self.bytes_sent = self.gather.bytes_sent
-        self.pending = (work, buf, bands, longest, weight_view)
+        start, stop = self.rows(weight_view.shape[0])
+        self.pending = (*self._start_band_gather(weight_view[start:stop], weight_view.shape[0]), weight_view)
 
     def wait(self) -> None:
         """Complete the pending row gather (before the weight is read again)."""
@@ -146,7 +152,7 @@ class DataParallelFusion:
         with torch.no_grad():
             for r, (a, b) in enumerate(bands):
                 if r != self.rank and b > a:
-                    weight_view[a:b].copy_(buf[r * longest: r * longest + (b - a)])
+                    weight_view[a:b].copy_(self._band(buf, r, longest, (a, b)))
 
 
 def enable_data_parallel(model: torch.nn.Module, mode: str = "sharded", group=None) -> list[str]:

@@ -133,24 +133,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 loss = closure()
         sq = torch.zeros((), device=self._device)
         bad = torch.zeros((), device=self._device)
-        sharded = torch.zeros(2, device=self._device)  # data parallel: this rank's rows only
+        sharded = None  # data parallel: the [squares, bad tiles] of this rank's rows only
         for layer in self._layers.values():
             stats = layer.forge_stats
             dp = layer.__dict__.get("forge_dp")
             if dp is not None:
                 dp.wait()  # after step() every rank holds the whole updated weight
             if dp is not None and dp.mode == "sharded":
-                sharded += stats.to(self._device)
+                sharded = stats.to(self._device) if sharded is None else sharded + stats.to(self._device)
             else:
                 sq += stats[0].to(self._device)
                 bad += stats[1].to(self._device)
             stats.zero_()
-        if any(m.__dict__.get("forge_dp") is not None and m.forge_dp.mode == "sharded" for m in self._layers.values()):
+        if sharded is not None:
             import torch.distributed as dist
 
             dist.all_reduce(sharded)
-        sq += sharded[0]
-        bad += sharded[1]
+            sq += sharded[0]
+            bad += sharded[1]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
