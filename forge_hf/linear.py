@@ -265,7 +265,8 @@ class FusedWeightMixin:
             x2, dy2 = dp.gather_tokens(x2, dy2)
             start, stop = dp.rows(weight.shape[0])
             weight, dy2 = weight[start:stop], dy2[:, start:stop]
-            param = param[start:stop]  # sharding is row-wise on (out, in) weights only
+            # the same band of the parameter itself: its columns when stored (in, out)
+            param = param[:, start:stop] if self.forge_transposed else param[start:stop]
         state.allocate(param, group, transposed=self.forge_transposed)
         scalars = rule.prepare(group, state.host)
         assert len(scalars) == NUM_SCALARS

@@ -127,3 +127,39 @@ def test_forge_trainer_under_torchrun(mode, tmp_path):
     for name, w in ranks[0].items():
         assert torch.equal(w, ranks[1][name]), f"replicas differ in {name}"
     _assert_like_single_process(ranks[0], torch.load(single_dir / "trainer_rank0.pt"))
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv1'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["sharded", "replicated"])
+def test_world_of_one_steps_like_no_data_parallelism(mode, one_process_group):
+    """The data-parallel path at world size 1 is the plain fused step, for a Linear and for
+    a Conv1D whose weight is stored (in, out) with more inputs than outputs."""
+    from transformers.pytorch_utils import Conv1D
+
+    from forge_hf import ForgeConv1D, ForgeLinear
+    from forge_hf.distributed import DataParallelFusion
+    from helpers import exact_inputs
+
+    for make, adopt in ((lambda: torch.nn.Linear(90, 40, bias=False), ForgeLinear.from_linear),
+                        (lambda: Conv1D(40, 90), ForgeConv1D.from_conv1d)):
+        torch.manual_seed(0)
+        plain, dp = adopt(make(), backend="reference", lr=1e-2), adopt(make(), backend="reference", lr=1e-2)
+        dp.weight.data.copy_(plain.weight)
+        if dp.bias is not None:
+            dp.bias.data.copy_(plain.bias)
+        dp.forge_dp = DataParallelFusion(mode)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, dy = exact_inputs((12, 90), 40, generator=gen)
+            plain(x).backward(dy)
+            dp(x).backward(dy)
+        dp.forge_ready()
+        assert torch.equal(dp.weight, plain.weight)
