@@ -1,11 +1,13 @@
-"""Markdown table and plot from run_grid.py's JSON.
+"""Markdown table and plot from run_grid.py's JSON files.
 
     python benchmarks/report.py benchmarks/results/grid.json   # writes grid.md and grid.png beside it
+    python benchmarks/report.py --out results/h200 a.json b.json  # several runs in one table
 """
+
+import argparse
 
 import json
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,7 +21,8 @@ def summarize(results):
     """One row per (model, cell, arm): medians over rounds."""
     groups = defaultdict(list)
     for r in results:
-        groups[(r["model"], f'{r["batch"]}x{r["seq"]}', r["arm"])].append(r)
+        arm = r["arm"] + (" +checkpointing" if r.get("checkpointing") else "")
+        groups[(r["model"], f'{r["batch"]}x{r["seq"]}', arm)].append(r)
     rows = []
     for (model, cell, arm), rs in groups.items():
         ok = [r for r in rs if r["status"] == "ok"]
@@ -63,13 +66,18 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def main(path):
-    src = Path(path)
-    rows = summarize(json.loads(src.read_text())["results"])
-    src.with_suffix(".md").write_text(markdown(rows))
-    plot(rows, src.with_suffix(".png"))
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("paths", nargs="+")
+    ap.add_argument("--out", default=None, help="path stem of the .md and .png (default: the first JSON's)")
+    opts = ap.parse_args()
+    results = [r for p in opts.paths for r in json.loads(Path(p).read_text())["results"]]
+    rows = summarize(results)
+    stem = Path(opts.out) if opts.out else Path(opts.paths[0]).with_suffix("")
+    stem.with_suffix(".md").write_text(markdown(rows))
+    plot(rows, stem.with_suffix(".png"))
     print(markdown(rows))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -5,8 +5,9 @@
 Arms run in one process; with --rounds 2 the second round runs them in reverse order, so
 drift of the card's clocks does not favour one arm. Each arm builds a fresh model, runs
 ``--warmup`` steps, then times ``--steps`` steps with CUDA events (median and spread),
-records ``max_memory_allocated`` since the model was built, tokens/s, and the GPU time of
-the fused kernel per step (torch profiler over 3 extra steps). OOM is recorded as a result.
+records ``max_memory_allocated`` from the built model on (the build's own peak apart), tokens/s, and the GPU time of
+the fused kernel and of all kernels per step, and the top host and GPU entries (torch
+profiler over 3 extra steps). OOM is recorded as a result.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from models import build_model
 ARMS = ["adamw_foreach", "adamw_fused", "grad_release_fused", "forge_fp32", "forge_bf16", "forge_int8",
         "bnb_adamw8bit"]
 LR = 1e-5
+PROFILE = True  # --no-profile: skip the 3 profiled steps
 
 
 def _torch_adamw(model, **kw):
@@ -71,26 +73,44 @@ def make_optimizer(arm, model):
     raise ValueError(f"unknown arm {arm!r}: choose from {ARMS}")
 
 
-def fused_kernel_ms(step, steps=3):
+def profile_steps(step, steps=3) -> dict:
+    """Per step: GPU time of the fused kernel, GPU time of all kernels (busy time: a step
+    much longer than it waits on the host), and the top host and GPU entries."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages() if "fused_update_kernel" in e.key)
-    return total_us / 1e3 / steps
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_step = lambda us: us / 1e3 / steps
+    top = lambda items, key: [(e.key[:80], round(per_step(key(e)), 3), e.count // steps)
+                              for e in sorted(items, key=key, reverse=True)[:12]]
+    return dict(
+        fused_kernel_ms=per_step(sum(e.self_device_time_total for e in kernels if "fused_update_kernel" in e.key)),
+        gpu_busy_ms=per_step(sum(e.self_device_time_total for e in kernels)),
+        top_gpu_ms=top(kernels, lambda e: e.self_device_time_total),
+        top_host_self_ms=top([e for e in events if e.device_type == torch.autograd.DeviceType.CPU],
+                             lambda e: e.self_cpu_time_total),
+    )
 
 
-def run_cell(model_name, arm, batch, seq, warmup, steps):
+def run_cell(model_name, arm, batch, seq, warmup, steps, checkpointing=False):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    result = dict(model=model_name, arm=arm, batch=batch, seq=seq)
+    result = dict(model=model_name, arm=arm, batch=batch, seq=seq, checkpointing=checkpointing)
     model = opt = None
     try:
         gib = lambda: torch.cuda.memory_allocated() / 2**30
         model = build_model(model_name)
         result["params"] = sum(p.numel() for p in model.parameters())
+        if checkpointing:  # activations recomputed in backward: the peak is weights and states
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # initialising weights on the GPU has its own transients (fp32 temporaries of the
+        # largest tensors); training's peak is counted from the built model on
+        result["build_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
         phases = {"model": gib()}
         opt = make_optimizer(arm, model)
         phases["optimizer"] = gib()
@@ -129,8 +149,8 @@ def run_cell(model_name, arm, batch, seq, warmup, steps):
         result.update(status="ok", step_ms=median, step_ms_q1=q[0], step_ms_q3=q[2],
                       tokens_per_s=batch * seq / (median / 1e3),
                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-        if arm.startswith("forge_"):
-            result["fused_kernel_ms"] = fused_kernel_ms(step)
+        if PROFILE:
+            result.update(profile_steps(step))
     except torch.cuda.OutOfMemoryError:
         result.update(status="OOM", peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     except (ImportError, ValueError) as e:  # no bitsandbytes wheel, or a precision not built yet
@@ -151,7 +171,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in every arm")
     opts = ap.parse_args()
+    global PROFILE
+    PROFILE = not opts.no_profile
     arms = opts.arms.split(",")
     results = []
     for model_name in opts.models.split(","):
@@ -160,7 +184,7 @@ def main():
             for r in range(opts.rounds):
                 for arm in (arms if r % 2 == 0 else arms[::-1]):
                     t0 = time.time()
-                    res = run_cell(model_name, arm, batch, seq, opts.warmup, opts.steps)
+                    res = run_cell(model_name, arm, batch, seq, opts.warmup, opts.steps, opts.checkpointing)
                     res.update(round=r, wall_s=time.time() - t0)
                     results.append(res)
                     print(json.dumps(res), flush=True)

@@ -154,8 +154,9 @@ def _blocked(x: torch.Tensor, fill=0.0) -> torch.Tensor:
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
-    """Uniform [0, 1) from 32 random bits held in int64 (kernels/codecs.py: uniform)."""
-    return (bits >> 8).float() * 2.0**-24
+    """Uniform [0, 1) from 16 random bits held in int64 (kernels/codecs.py: uniform); 2**-16
+    steps are far finer than any 8-bit code's rounding needs."""
+    return bits.float() * 2.0**-16
 
 
 def encode(codec: Codec, x: torch.Tensor, u: torch.Tensor | float = 0.5):

@@ -36,22 +36,55 @@ class TokenGather:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.bytes_sent = 0  # what this rank puts on the wire (ring all-gather: world - 1 chunks)
+        self._announced = None  # (local count, every rank's count on the host, its CUDA event)
+
+    def announce(self, t_local: int, device: torch.device) -> None:
+        """Exchange this call's token count in forward. Backward reads it from pinned host
+        memory written long before, so it never waits for the GPU to drain (an ``item()``
+        per layer there would stall the stream at every fused layer)."""
+        if self.world == 1:
+            return
+        sizes = torch.tensor([t_local], dtype=torch.int64, device=device)
+        every = torch.empty(self.world, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, sizes, group=self.group)
+        self.bytes_sent += (self.world - 1) * sizes.element_size()
+        event = None
+        if device.type == "cuda":
+            host = torch.empty(self.world, dtype=torch.int64, pin_memory=True)
+            host.copy_(every, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            every = host
+        self._announced = (t_local, every, event)
+
+    def _counts(self, t_local: int, device: torch.device) -> list[int]:
+        announced, self._announced = self._announced, None
+        if announced is None or announced[0] != t_local:
+            # not announced in forward: exchange now (every rank takes this branch: all
+            # ran the same forward calls, and a call's backward sees its forward's tokens)
+            self.announce(t_local, device)
+            announced, self._announced = self._announced, None
+        _, every, event = announced
+        if event is not None:
+            event.synchronize()
+        return every.tolist()
 
     def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        if self.world == 1:
+            return list(tensors)
         t_local = tensors[0].shape[0]
-        sizes = torch.tensor([t_local], dtype=torch.int64, device=tensors[0].device)
-        all_sizes = [torch.empty_like(sizes) for _ in range(self.world)]
-        dist.all_gather(all_sizes, sizes, group=self.group)
-        self.bytes_sent += (self.world - 1) * sizes.numel() * sizes.element_size()
-        counts = [int(s.item()) for s in all_sizes]
+        counts = self._counts(t_local, tensors[0].device)
         longest = max(counts)
         out = []
         works = []
         for t in tensors:
-            padded = t.new_zeros((longest, t.shape[1]))
-            padded[:t_local] = t
+            if t_local == longest and t.is_contiguous():
+                padded = t
+            else:
+                padded = t.new_zeros((longest, t.shape[1]))
+                padded[:t_local] = t
             buf = t.new_empty((self.world * longest, t.shape[1]))
-            works.append(dist.all_gather_into_tensor(buf, padded.contiguous(), group=self.group, async_op=True))
+            works.append(dist.all_gather_into_tensor(buf, padded, group=self.group, async_op=True))
             self.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()
             out.append(buf)
         for w in works:
@@ -102,7 +135,12 @@ class DataParallelFusion:
             return 0, n_rows
         return row_band(n_rows, self.block_n, self.world, self.rank)
 
+    def announce_tokens(self, t_local: int, device: torch.device) -> None:
+        self.gather.announce(t_local, device)
+
     def gather_tokens(self, x2, dy2):
+        if self.world == 1:
+            return x2, dy2
         x_all, dy_all = self.gather.gather(x2, dy2)
         return x_all, dy_all / self.world
 
@@ -114,8 +152,11 @@ class DataParallelFusion:
         padded to the longest band. Returns (work, buffer, bands, longest)."""
         bands = self._bands(n_rows)
         longest = max(b - a for a, b in bands)
-        padded = mine.new_zeros((longest, *mine.shape[1:]))
-        padded[: mine.shape[0]] = mine
+        if mine.shape[0] == longest and mine.is_contiguous():
+            padded = mine
+        else:
+            padded = mine.new_zeros((longest, *mine.shape[1:]))
+            padded[: mine.shape[0]] = mine
         buf = mine.new_empty((self.world * longest, *mine.shape[1:]))
         work = dist.all_gather_into_tensor(buf, padded, group=self.group, async_op=True)
         self.gather.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()
@@ -137,10 +178,18 @@ class DataParallelFusion:
 
     def share_rows(self, weight_view: torch.Tensor) -> None:
         """Start the all-gather of every rank's updated rows into ``weight_view`` (N, K)."""
-        if self.mode == "replicated":
+        if self.mode == "replicated" or self.world == 1:
             return
-        start, stop = self.rows(weight_view.shape[0])
-        self.pending = (*self._start_band_gather(weight_view[start:stop], weight_view.shape[0]), weight_view)
+        n_rows = weight_view.shape[0]
+        start, stop = self.rows(n_rows)
+        if n_rows == self.world * (stop - start) and weight_view.is_contiguous():
+            # equal bands, in rank order: gather in place, straight into the weight
+            work = dist.all_gather_into_tensor(weight_view, weight_view[start:stop], group=self.group,
+                                               async_op=True)
+            self.gather.bytes_sent += (self.world - 1) * weight_view[start:stop].nbytes
+            self.pending = (work, None, None, None, weight_view)
+            return
+        self.pending = (*self._start_band_gather(weight_view[start:stop], n_rows), weight_view)
 
     def wait(self) -> None:
         """Complete the pending row gather (before the weight is read again)."""
@@ -149,6 +198,8 @@ class DataParallelFusion:
         work, buf, bands, longest, weight_view = self.pending
         self.pending = None
         work.wait()
+        if buf is None:  # gathered in place
+            return
         with torch.no_grad():
             for r, (a, b) in enumerate(bands):
                 if r != self.rank and b > a:

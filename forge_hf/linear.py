@@ -9,6 +9,7 @@ scheduler can drive it. Its optimizer state lives with it (``forge_state``).
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 import weakref
 
@@ -55,11 +56,19 @@ def layer_salt(seed: int, layer_index: int) -> int:
     return mix32((int(seed) & 0xFFFFFFFF) ^ mix32((layer_index * 0x9E3779B1 + 1) & 0xFFFFFFFF))
 
 
-def pack_args(scalars: list[float], step: int, salt: int, device: torch.device) -> torch.Tensor:
-    """The kernel's argument tensor: fp32 bit patterns of the constants, step, salt."""
-    floats = torch.tensor(scalars, dtype=torch.float32).view(torch.int32)
-    ints = torch.tensor([step & 0xFFFFFFFF, salt], dtype=torch.int64).to(torch.int32)
-    return torch.cat([floats, ints]).to(device, non_blocking=True)
+def pack_args(scalars: list[float], step: int, salt: int, device: torch.device, row0: int = 0) -> torch.Tensor:
+    """The kernel's argument tensor: fp32 bit patterns of the constants, step, salt, and
+    the first row's index in the whole weight (a data-parallel band: the rounding bits of
+    an element depend on its place in the whole weight, not in the band)."""
+    words = [*struct.unpack(f"{len(scalars)}i", struct.pack(f"{len(scalars)}f", *scalars)),
+             *(_int32(v) for v in (step, salt, row0))]
+    return torch.tensor(words, dtype=torch.int32).to(device, non_blocking=True)  # one host tensor, one copy
+
+
+def _int32(value: int) -> int:
+    """The int32 holding ``value``'s low 32 bits."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _in_this_backward(node) -> bool:
@@ -261,6 +270,7 @@ class FusedWeightMixin:
         rule, group, state = self.forge_rule, self.forge_group, self.forge_state
         weight, param = self.forge_weight_view().data, self.weight
         dp = self.__dict__.get("forge_dp")
+        start = 0
         if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
             x2, dy2 = dp.gather_tokens(x2, dy2)
             start, stop = dp.rows(weight.shape[0])
@@ -273,7 +283,7 @@ class FusedWeightMixin:
         device = self.weight.device
         if self.forge_stats.device != device:
             self.forge_stats = self.forge_stats.to(device)
-        args = pack_args(scalars, state.step, layer_salt(self.forge_seed, self.forge_layer_index), device)
+        args = pack_args(scalars, state.step, layer_salt(self.forge_seed, self.forge_layer_index), device, start)
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
             run = resolve_backend(self.forge_backend, device)
             run(x2, dy2, weight, state.kernel_slots(), args, self.forge_stats,
@@ -294,6 +304,9 @@ class FusedWeightMixin:
         anchor = self.__dict__.get("_forge_anchor")
         if anchor is None or anchor.device != self.weight.device:
             anchor = self._forge_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
+        dp = self.__dict__.get("forge_dp")
+        if dp is not None:
+            dp.announce_tokens(x.numel() // max(x.shape[-1], 1), x.device)
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             # autocast does not reach inside a custom Function: cast as it would for linear

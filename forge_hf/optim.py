@@ -131,26 +131,26 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sq = torch.zeros((), device=self._device)
-        bad = torch.zeros((), device=self._device)
-        sharded = None  # data parallel: the [squares, bad tiles] of this rank's rows only
+        # [squared sum, bad tiles] of the fused layers: whole weights, and data-parallel
+        # bands (this rank's rows only, summed over ranks). A few launches, not a few per layer.
+        whole, bands = [], []
         for layer in self._layers.values():
-            stats = layer.forge_stats
             dp = layer.__dict__.get("forge_dp")
             if dp is not None:
                 dp.wait()  # after step() every rank holds the whole updated weight
-            if dp is not None and dp.mode == "sharded":
-                sharded = stats.to(self._device) if sharded is None else sharded + stats.to(self._device)
-            else:
-                sq += stats[0].to(self._device)
-                bad += stats[1].to(self._device)
-            stats.zero_()
-        if sharded is not None:
-            import torch.distributed as dist
+            (bands if dp is not None and dp.mode == "sharded" else whole).append(layer.forge_stats)
+        totals = torch.zeros(2, device=self._device)
+        for stats in (whole, bands):
+            if not stats:
+                continue
+            part = torch.stack([s.to(self._device) for s in stats]).sum(0)
+            if stats is bands:
+                import torch.distributed as dist
 
-            dist.all_reduce(sharded)
-            sq += sharded[0]
-            bad += sharded[1]
+                dist.all_reduce(part)
+            totals += part
+            torch._foreach_zero_(stats)
+        sq, bad = totals[0], totals[1]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

@@ -44,8 +44,11 @@ def mix32(h):
 
 
 def random_bits(elem: torch.Tensor, salt: int, step: int, slot: int) -> torch.Tensor:
-    h = mix32(_mul32(elem, GOLDEN) ^ (salt & _M32))
-    return mix32(h ^ ((step * STEP_MUL + slot * SLOT_MUL) & _M32))
+    """16 random bits: kernels/storage.py's element_hash, then slot_bits."""
+    word = mix32(_mul32(elem, GOLDEN) ^ ((salt ^ (step * STEP_MUL)) & _M32))
+    if slot >= 2:
+        word = mix32(word ^ SLOT_MUL)
+    return word & 0xFFFF if slot % 2 == 0 else word >> 16
 
 
 def round_to_bf16(x: torch.Tensor, elem: torch.Tensor, salt: int, step: int, slot: int,
@@ -53,7 +56,7 @@ def round_to_bf16(x: torch.Tensor, elem: torch.Tensor, salt: int, step: int, slo
     """fp32 -> bf16 in the integer domain (kernels/storage.py:fp32_to_bf16_bits)."""
     bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
     if stochastic:
-        bits = bits + (random_bits(elem, salt, step, slot) & 0xFFFF)
+        bits = bits + random_bits(elem, salt, step, slot)
     else:
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
     return (((bits >> 16) & 0xFFFF).to(torch.int32).to(torch.int16)).view(torch.bfloat16)
@@ -77,6 +80,7 @@ def reference_fused_update(
     consts = [scalars[i] for i in range(NUM_SCALARS)]
     step = int(args_cpu[NUM_SCALARS].item()) & _M32
     salt = int(args_cpu[NUM_SCALARS + 1].item()) & _M32
+    row0 = int(args_cpu[NUM_SCALARS + 2].item())
     N, K = weight.shape
     BN, BK, _ = blocks
     if BK % BLOCK and any(isinstance(s, QuantisedSlot) for s in slots):
@@ -88,16 +92,17 @@ def reference_fused_update(
         for k0 in range(0, K, BK):
             cols = slice(k0, min(k0 + BK, K))
             g = dyf[:, rows].t() @ xf[:, cols]
-            if not bool(torch.isfinite(g).all()):
+            sumsq = (g * g).sum()
+            if not bool(torch.isfinite(sumsq)):  # the kernel's test: NaN, inf, or a square overflowing
                 stats[1] += 1
                 continue
-            stats[0] += (g * g).sum()
+            stats[0] += sumsq
             w_tile = weight[rows, cols]
             zero = torch.zeros_like(g)
             s_in = [zero if s is None else s.read(rows, cols) if isinstance(s, QuantisedSlot)
                     else s[rows, cols].float() for s in slots]
             outs = update(w_tile.float(), g, *s_in, *consts)
-            r = torch.arange(rows.start, rows.stop, device=weight.device, dtype=torch.int64)
+            r = torch.arange(row0 + rows.start, row0 + rows.stop, device=weight.device, dtype=torch.int64)
             c = torch.arange(cols.start, cols.stop, device=weight.device, dtype=torch.int64)
             elem = r[:, None] * K + c[None, :]
             for slot_id, (dst, value) in enumerate(zip([weight, *slots], outs)):

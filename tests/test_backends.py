@@ -14,6 +14,7 @@ PRECISIONS = [  # (weight dtype, state precision, rounding)
     (torch.bfloat16, "fp32", "nearest"),
 ]
 EXTRA = {"rmsprop": dict(momentum=0.5, centered=True), "sgd": dict(momentum=0.9, nesterov=True)}
+STEPS, LR = 3, 1e-2
 
 
 def _run(rule, wdtype, sprec, rounding, backend, device, transposed=False):
@@ -21,17 +22,24 @@ def _run(rule, wdtype, sprec, rounding, backend, device, transposed=False):
     torch.manual_seed(5)
     lin = torch.nn.Linear(130, 70, bias=False, device=device, dtype=wdtype)
     layer = ForgeLinear.from_linear(lin, optimizer=rule, state_precision=sprec, rounding=rounding,
-                                    seed=11, backend=backend, lr=1e-2, **EXTRA.get(rule, {}))
-    for _ in range(3):
+                                    seed=11, backend=backend, lr=LR, **EXTRA.get(rule, {}))
+    for _ in range(STEPS):
         x, dy = exact_inputs((45, 130), 70, dtype=wdtype, device=device, generator=gen)
         layer(x).backward(dy)
     return layer
 
 
-def _compare(a, b, what, rtol=1e-6):
+def _compare(a, b, what, rtol=1e-6, travel=0.0):
+    """bf16: nearly all bit-identical, the rest one ulp apart - or, for a weight, one ulp of
+    the largest magnitude it can have had during the run (its value plus ``travel``)."""
     if a.dtype == torch.bfloat16:
         ulps = bf16_ulps_apart(a, b)
-        assert int(ulps.max()) <= 1, what
+        # The GPU's division and square root are not IEEE-rounded: an update an fp32 ulp
+        # off may round the other way. A weight that then moves towards zero carries that
+        # one-ulp difference, many ulps of its smaller final value (H200, NAdam: 6.1e-5 at
+        # 7e-4, one ulp at 1e-2).
+        carried = (a.float() - b.float()).abs() <= 2.0**-8 * (b.float().abs() + travel)
+        assert bool(((ulps <= 1) | carried).all()), what
         assert (ulps == 0).float().mean() >= 0.999, what
     else:
         assert_close_rel(a, b, rtol=rtol, what=what)
@@ -46,7 +54,9 @@ def test_triton_matches_reference(rule, precision, device):
     # The GPU contracts a*b+c into one rounding (FMA), so an fp32 value may differ by an
     # ulp; stored as bf16 state that can become one bf16 step, which then moves the fp32
     # weight by up to ~lr * 2**-8 of an update.
-    _compare(tri.weight.detach(), ref.weight.detach(), f"{rule} weight", rtol=1e-6 if sprec == "fp32" else 1e-4)
+    # Adam-family steps move a weight by up to ~2 lr
+    _compare(tri.weight.detach(), ref.weight.detach(), f"{rule} weight", rtol=1e-6 if sprec == "fp32" else 1e-4,
+             travel=2 * LR * STEPS)
     for i, (a, b) in enumerate(zip(tri.forge_state.slots, ref.forge_state.slots)):
         assert (a is None) == (b is None)
         if a is not None:

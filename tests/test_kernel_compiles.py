@@ -24,7 +24,7 @@ def compile_all() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from forge_hf.kernels.fused_update import fused_update_kernel, kernel_call
+    from forge_hf.kernels.fused_update import default_config, fused_update_kernel, kernel_call
     from forge_hf.linear import pack_args
     from forge_hf.rules import get_rule, make_group
     from forge_hf.state import ForgeState
@@ -47,16 +47,17 @@ def compile_all() -> dict:
                 args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
                 if grad:  # the gradient is read: x is the (N, K) gradient itself
                     x = dy = torch.zeros(200, 300, dtype=torch.bfloat16)
+                config = default_config(200, 300, 0 if grad else 77)  # what a GPU launch uses
                 _, positional, constexprs = kernel_call(x, dy, weight, state.kernel_slots(), args, torch.zeros(2),
-                                                        rule_name, True, (64, 128, 64), dot_fp32=False,
-                                                        grad_given=bool(grad))
+                                                        rule_name, True, dot_fp32=False, grad_given=bool(grad))
                 sig = {n: ("*" + types[v.dtype]) if torch.is_tensor(v) else "i32" for n, v in zip(names, positional)}
                 sig.update({k: "constexpr" for k in constexprs})
                 source = triton.compiler.ASTSource(
                     fn=fused_update_kernel, signature=sig,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
                 compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                          options=dict(num_warps=4, num_stages=3))
+                                          options=dict(num_warps=config["num_warps"],
+                                                       num_stages=config["num_stages"], enable_fp_fusion=False))
                 results[f"{rule_name}/{variant}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
             except Exception as e:  # reported per variant by the tests below
                 results[f"{rule_name}/{variant}"] = f"{type(e).__name__}: {str(e)[-1500:]}"

@@ -16,6 +16,7 @@ from forge_hf import ForgeLinear
 from forge_hf.linear import ForgeFallbackWarning
 from forge_hf.optim import ForgeOptimizer, default_decay_parameter_names
 from forge_hf.patch import patch_model
+from conftest import DEVICE
 from helpers import RTOL_FP32, assert_close_rel, exact_inputs
 
 VOCAB, SEQ = 128, 16
@@ -337,11 +338,11 @@ def test_non_fused_step_through_the_kernel_matches_the_pytorch_path(precision):
     fused kernel reading their gradient: same rule, same rounding, same bits."""
     results = []
     for backend in ("reference", "triton"):
-        model = patched(state_precision=precision, backend=backend).to(torch.bfloat16)
+        model = patched(state_precision=precision, backend=backend).to(DEVICE, torch.bfloat16)
         opt = ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
         assert opt._kernel == (backend == "triton")
         for ids in batches(2):
-            train_step(model, opt, ids)
+            train_step(model, opt, ids.to(DEVICE))
         results.append({n: p.detach().clone() for n, p in model.named_parameters()})
     for name, ref in results[0].items():
         got = results[1][name]

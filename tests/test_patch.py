@@ -293,9 +293,17 @@ def _liger(model):
     """Liger's kernels on ``model``: all of them on GPU; on CPU only the fused linear
     cross-entropy, the one that runs under the Triton interpreter."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
 
+    # Liger also rebinds transformers' module-level classes and functions, for every Llama
+    # built later in this process (on CPU tensors in other tests): keep it to this model
+    saved, forward = dict(vars(modeling_llama)), modeling_llama.LlamaForCausalLM.forward
     gpu = next(model.parameters()).is_cuda
-    apply_liger_kernel_to_llama(rope=gpu, rms_norm=gpu, swiglu=gpu, fused_linear_cross_entropy=True, model=model)
+    try:
+        apply_liger_kernel_to_llama(rope=gpu, rms_norm=gpu, swiglu=gpu, fused_linear_cross_entropy=True, model=model)
+    finally:
+        vars(modeling_llama).update(saved)
+        modeling_llama.LlamaForCausalLM.forward = forward
     return model
 
 

@@ -94,3 +94,31 @@ def test_bf16_state_tracks_fp32_state(backend, device):
         assert (sa.float() - sb).abs().max() / sb.abs().max() < 2**-7
     # Adam's step is ~lr; a 2**-8 relative state error moves it by ~lr * 2**-7 per step
     assert (a.weight - b.weight).abs().max() <= 4 * 1e-3 * 2**-6
+
+
+def test_a_row_band_rounds_like_the_same_rows_of_the_whole_weight(backend, device):
+    """Data-parallel ranks step bands of a weight's rows; given the band's first row, the
+    stochastic-rounding bits are those of the whole-weight step, so sharded runs can match a
+    single process bit for bit. Without it the band would draw other bits."""
+    from forge_hf.linear import pack_args, resolve_backend
+    from forge_hf.rules import get_rule, make_group
+    from forge_hf.state import ForgeState
+
+    gen = torch.Generator().manual_seed(9)
+    x, dy = exact_inputs((40, 96), 150, dtype=torch.bfloat16, device=device, generator=gen)
+    rule = get_rule("adamw")
+    group = make_group(rule, dict(lr=1e-2))
+    run = resolve_backend(backend, torch.device(device))
+
+    def step(rows: slice, row0: int) -> torch.Tensor:
+        weight = (torch.arange(150 * 96, device=device).reshape(150, 96) % 251 / 251.0).bfloat16()[rows]
+        state = ForgeState(rule, "bf16", transposed=False)
+        state.allocate(weight, group)
+        args = pack_args(rule.prepare(group, state.host), 1, 12345, device, row0)
+        run(x, dy[:, rows], weight, state.kernel_slots(), args, torch.zeros(2, device=device), "adamw", True)
+        return torch.stack([weight, *state.slots[:2]]).view(torch.int16)
+
+    whole = step(slice(0, 150), 0)
+    band = step(slice(72, 150), 72)
+    assert torch.equal(band, whole[:, 72:150])
+    assert not torch.equal(step(slice(72, 150), 0), whole[:, 72:150])

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .. import codecs
 from ..rules import bind_ops
-from .storage import load_value, random_bits, store_value
+from .storage import decode_value, load_tile, slot_bits, store_value
 
 NONE = tl.constexpr(codecs.NONE)
 FP32 = tl.constexpr(codecs.FP32)
@@ -27,8 +27,8 @@ absmax_encode, absmax_decode, log_encode, log_decode = (
 
 @triton.jit
 def uniform(bits):
-    """Uniform [0, 1) from uint32 random bits (codecs.uniform)."""
-    return (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    """Uniform [0, 1) from 16 random bits (codecs.uniform)."""
+    return bits.to(tl.float32) * 1.52587890625e-05  # 2**-16
 
 
 @triton.jit
@@ -39,16 +39,26 @@ def block_index(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def load_state(ptr, meta_ptr, offs, mask, block, block_mask,
-               KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def load_state_raw(ptr, offs, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
+    """What a state tile stores (fp32 values, bf16 bits or 8-bit codes), undecoded: the
+    kernel may issue this load early and decode it later. A missing slot reads nothing."""
+    if KIND == NONE:
+        raw = 0
+    else:
+        raw = load_tile(ptr, offs, mask, EVEN)
+    return raw
+
+
+@triton.jit
+def decode_state(raw, meta_ptr, block, block_mask,
+                 KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # if/elif, not `a or b`: compiled Triton folds only plain constexpr comparisons
     if KIND == FP32:
-        value = load_value(ptr, offs, mask, False)
+        value = decode_value(raw, False)
     elif KIND == BF16:
-        value = load_value(ptr, offs, mask, True)
+        value = decode_value(raw, True)
     else:
-        codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
-        codes = tl.reshape(codes, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
+        codes = tl.reshape(raw.to(tl.float32), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         if KIND == AL8:
             lo = tl.load(meta_ptr + 2 * block, mask=block_mask, other=0.0)
             width = tl.load(meta_ptr + 2 * block + 1, mask=block_mask, other=0.0)
@@ -60,21 +70,21 @@ def load_state(ptr, meta_ptr, offs, mask, block, block_mask,
 
 
 @triton.jit
-def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, elem, salt, step,
+def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
                 slot: tl.constexpr, KIND: tl.constexpr, STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store a tile; ``mask`` marks the elements inside the weight (the codec blocks'
-    statistics see only those), ``keep`` those to write."""
+    statistics see only those), ``keep`` those to write (None: all)."""
     if KIND == FP32:
-        store_value(ptr, offs, value, keep, elem, salt, step, slot, False, STOCHASTIC)
+        store_value(ptr, offs, value, keep, h, slot, False, STOCHASTIC)
     elif KIND == BF16:
-        store_value(ptr, offs, value, keep, elem, salt, step, slot, True, STOCHASTIC)
+        store_value(ptr, offs, value, keep, h, slot, True, STOCHASTIC)
     else:
         x = tl.reshape(value, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         valid = tl.reshape(mask, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         if KIND == AL8:
             if STOCHASTIC:
-                u = tl.reshape(uniform(random_bits(elem, salt, step, slot)),
+                u = tl.reshape(uniform(slot_bits(h, slot)),
                                (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
             else:
                 u = 0.5

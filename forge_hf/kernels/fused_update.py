@@ -10,7 +10,8 @@ into ``stats``.
 Shapes: x (T, K), dy (T, N), weight/states (N, K) through arbitrary strides, so a
 transposed (Conv1D) weight needs no copy. 8-bit states add fp32 metadata (N, KB, width),
 KB = ceil(K / 64), contiguous (codecs.py). ``args`` is int32: NUM_SCALARS fp32 bit
-patterns of the rule's constants, then the step and the rounding salt.
+patterns of the rule's constants, then the step, the rounding salt and the index of the
+weight's first row in the whole weight (the rounding bits follow the whole weight).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import triton.language as tl
 from .. import codecs
 from ..codecs import QuantisedSlot, storage_kind
 from ..rules import NUM_SCALARS, RULES, bind_update
-from .codecs import NONE, block_index, load_state, store_state
-from .storage import load_value, store_value
+from .codecs import NONE, block_index, decode_state, load_state_raw, store_state
+from .storage import decode_value, element_hash, load_tile, store_value
 
 # The interpreter multiplies bf16 bit patterns as integers in tl.dot: upcast there.
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -47,19 +48,33 @@ def fused_update_kernel(
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (codecs.py)
     QUANTISED: tl.constexpr,
     W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-    DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr,
+    DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr,  # the tiles cover the weight exactly: no bounds masks on its tiles
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rt = tl.arange(0, BLOCK_T)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    if EVEN:
+        io_mask = None
+    else:
+        io_mask = mask
+    offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
+
+    if PREFETCH:
+        # issue the weight and state loads first: their HBM latency hides behind the MMAs
+        w_raw = load_tile(w_ptr, offs, mask, EVEN)
+        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
+        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
+        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
 
     # Phase 1: the gradient tile, fp32 accumulation over tokens - or, for a tensor that
     # already has an ordinary gradient (ForgeOptimizer's non-fused ones), x_ptr is that
     # (N, K) gradient and the tile is read.
     if GRAD_GIVEN:
         acc = tl.load(x_ptr + rn[:, None] * stride_xt + rk[None, :] * stride_xk,
-                      mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0).to(tl.float32)
+                      mask=mask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for t0 in range(0, T, BLOCK_T):
@@ -73,17 +88,20 @@ def fused_update_kernel(
             else:
                 acc += tl.dot(dy_t, x)
 
-    # Non-finite tiles are counted and skipped; finite ones feed the grad norm.
-    finite = (acc == acc) & (tl.abs(acc) < float("inf"))
-    n_bad = tl.sum(tl.sum(tl.where(finite, 0, 1), axis=1), axis=0)
-    ok = n_bad == 0
-    tl.atomic_add(stats_ptr, tl.where(ok, tl.sum(tl.sum(acc * acc, axis=1), axis=0), 0.0))
+    # A tile whose squared sum is not finite (a NaN or inf in it, or an entry beyond
+    # ~1e19 whose square overflows) is counted and skipped; others feed the grad norm.
+    sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+    ok = (sumsq == sumsq) & (sumsq < float("inf"))
+    tl.atomic_add(stats_ptr, tl.where(ok, sumsq, 0.0))
     tl.atomic_add(stats_ptr + 1, tl.where(ok, 0.0, 1.0))
 
     # Phase 2: the rule, on the same registers.
-    mask = (rn[:, None] < N) & (rk[None, :] < K)
-    offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
-    w = load_value(w_ptr, offs, mask, W_BF16)
+    if not PREFETCH:
+        w_raw = load_tile(w_ptr, offs, mask, EVEN)
+        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
+        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
+        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
+    w = decode_value(w_raw, W_BF16)
     if QUANTISED:
         block, block_mask = block_index(rn, tl.program_id(1), N, KB, BLOCK_K)
     else:
@@ -92,11 +110,11 @@ def fused_update_kernel(
     s1 = s0
     s2 = s0
     if S0 != NONE:
-        s0 = load_state(s0_ptr, m0_ptr, offs, mask, block, block_mask, S0, BLOCK_N, BLOCK_K)
+        s0 = decode_state(r0, m0_ptr, block, block_mask, S0, BLOCK_N, BLOCK_K)
     if S1 != NONE:
-        s1 = load_state(s1_ptr, m1_ptr, offs, mask, block, block_mask, S1, BLOCK_N, BLOCK_K)
+        s1 = decode_state(r1, m1_ptr, block, block_mask, S1, BLOCK_N, BLOCK_K)
     if S2 != NONE:
-        s2 = load_state(s2_ptr, m2_ptr, offs, mask, block, block_mask, S2, BLOCK_N, BLOCK_K)
+        s2 = decode_state(r2, m2_ptr, block, block_mask, S2, BLOCK_N, BLOCK_K)
     w, s0, s1, s2 = RULE_UPDATE(
         w, acc, s0, s1, s2,
         _scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3),
@@ -105,33 +123,44 @@ def fused_update_kernel(
     )
 
     # Phase 3: write back (the gradient tile is dropped here).
-    step = tl.load(args_ptr + 12).to(tl.uint32, bitcast=True)
-    salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
-    elem = (rn[:, None] * K + rk[None, :]).to(tl.uint32)
-    keep = mask & ((tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32) + n_bad) == 0)
-    block_keep = block_mask
-    if QUANTISED:
-        block_keep = block_mask & ((block * 0 + n_bad) == 0)  # broadcast: a scalar mask fails
-    store_value(w_ptr, offs, w, keep, elem, salt, step, 0, W_BF16, STOCHASTIC)
-    if S0 != NONE:
-        store_state(s0_ptr, m0_ptr, offs, s0, mask, keep, block, block_keep, elem, salt, step, 1,
-                    S0, STOCHASTIC, BLOCK_N, BLOCK_K)
-    if S1 != NONE:
-        store_state(s1_ptr, m1_ptr, offs, s1, mask, keep, block, block_keep, elem, salt, step, 2,
-                    S1, STOCHASTIC, BLOCK_N, BLOCK_K)
-    if S2 != NONE:
-        store_state(s2_ptr, m2_ptr, offs, s2, mask, keep, block, block_keep, elem, salt, step, 3,
-                    S2, STOCHASTIC, BLOCK_N, BLOCK_K)
+    if STOCHASTIC:
+        step = tl.load(args_ptr + 12).to(tl.uint32, bitcast=True)
+        salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
+        row0 = tl.load(args_ptr + 14)
+        h = element_hash(((row0 + rn)[:, None] * K + rk[None, :]).to(tl.uint32, bitcast=True), salt, step)
+    else:
+        h = 0
+    if ok:
+        store_value(w_ptr, offs, w, io_mask, h, 0, W_BF16, STOCHASTIC)
+        if S0 != NONE:
+            store_state(s0_ptr, m0_ptr, offs, s0, mask, io_mask, block, block_mask, h, 1,
+                        S0, STOCHASTIC, BLOCK_N, BLOCK_K)
+        if S1 != NONE:
+            store_state(s1_ptr, m1_ptr, offs, s1, mask, io_mask, block, block_mask, h, 2,
+                        S1, STOCHASTIC, BLOCK_N, BLOCK_K)
+        if S2 != NONE:
+            store_state(s2_ptr, m2_ptr, offs, s2, mask, io_mask, block, block_mask, h, 3,
+                        S2, STOCHASTIC, BLOCK_N, BLOCK_K)
 
 
-ARGS_LEN = NUM_SCALARS + 2
+ARGS_LEN = NUM_SCALARS + 3
+# the compiled kernel takes constexpr values too, in the kernel's parameter order
+_CONSTEXPR_NAMES = [p.name for p in getattr(fused_update_kernel, "params", ()) if p.is_constexpr]
+
+
+# Launches keep a*b+c as two roundings (no FMA contraction): the rules' arithmetic then
+# gives the PyTorch reference's bits, so moments near zero (where one contracted rounding
+# can flip a sign and move a bf16 state by thousands of ulps) agree on every device.
+def default_config(N: int, K: int, T: int) -> dict:
+    """Tile shape and launch options for one layer shape (benchmarks/NOTES.md)."""
+    if INTERPRETER:  # fewer, larger programs: the interpreter runs them one by one
+        return dict(blocks=(64, 64, 64), num_warps=4, num_stages=1, prefetch=False)
+    # best single config over Llama-3.1-8B's shapes (benchmarks/NOTES.md)
+    return dict(blocks=(64, 64, 64), num_warps=4, num_stages=4, prefetch=False)
 
 
 def default_blocks(N: int, K: int, T: int) -> tuple[int, int, int]:
-    if INTERPRETER:
-        return 64, 64, 64  # fewer, larger programs: the interpreter runs them one by one
-    # best of 12 configs on every Llama-3.1-8B shape at 512 tokens (benchmarks/NOTES.md)
-    return 64, 128, 64
+    return default_config(N, K, T)["blocks"]
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -169,12 +198,15 @@ def kernel_call(
     blocks: tuple[int, int, int] | None = None,
     dot_fp32: bool | None = None,
     grad_given: bool = False,
+    prefetch: bool | None = None,
 ) -> tuple[tuple, list, dict]:
     """(grid, positional arguments, constexpr arguments) of the launch for these tensors;
     tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py)."""
     N, K = weight.shape
     T = 0 if grad_given else x.shape[0]  # grad_given: x is the (N, K) gradient, dy unused
-    BN, BK, BT = blocks or default_blocks(N, K, T)
+    config = default_config(N, K, T)
+    BN, BK, BT = blocks or config["blocks"]
+    prefetch = config["prefetch"] if prefetch is None else prefetch
     kinds = [storage_kind(s) for s in slots]
     quantised = any(isinstance(s, QuantisedSlot) for s in slots)
     if quantised and BK % codecs.BLOCK:
@@ -193,22 +225,54 @@ def kernel_call(
         RULE_UPDATE=RULE_UPDATES[rule_name],
         S0=kinds[0], S1=kinds[1], S2=kinds[2], QUANTISED=quantised,
         W_BF16=weight.dtype == torch.bfloat16, STOCHASTIC=stochastic,
-        DOT_FP32=dot_fp32, GRAD_GIVEN=grad_given,
+        DOT_FP32=dot_fp32, GRAD_GIVEN=grad_given, PREFETCH=prefetch, EVEN=N % BN == 0 and K % BK == 0,
         BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT,
     )
     return (triton.cdiv(N, BN), triton.cdiv(K, BK)), positional, constexprs
 
 
-def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic,
-                        blocks=None, num_warps: int = 4, num_stages: int = 3) -> None:
-    """One fused step of one layer (arguments as in kernel_call)."""
-    grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks)
-    fused_update_kernel[grid](*positional, **constexprs, num_warps=num_warps, num_stages=num_stages)
+# Triton's JIT dispatch costs ~60 us of host time a launch (it re-derives the kernel's
+# specialisation from every argument); a step launches a few hundred kernels and the GPU
+# would wait on the host. Once compiled, a kernel is launched directly (~16 us), keyed by
+# what Triton specialises on: dtypes, 16-byte alignment of pointers, and for integers
+# whether they are 1 or multiples of 16.
+_COMPILED: dict = {}
 
 
-def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic, num_warps: int = 4) -> None:
+def _specialisation(positional: list) -> tuple:
+    return tuple((a.dtype, a.data_ptr() % 16 == 0, a.device) if isinstance(a, torch.Tensor)
+                 else (a == 1, a % 16 == 0) for a in positional)
+
+
+def _launch(grid, positional, constexprs, num_warps, num_stages) -> None:
+    options = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
+    if INTERPRETER:
+        fused_update_kernel[grid](*positional, **constexprs, **options)
+        return
+    key = (_specialisation(positional), tuple(constexprs.items()), num_warps, num_stages)
+    compiled = _COMPILED.get(key)
+    if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
+        _COMPILED[key] = fused_update_kernel[grid](*positional, **constexprs, **options)
+        return
+    compiled[(*grid, 1)](*positional, *(constexprs[name] for name in _CONSTEXPR_NAMES))
+
+
+def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
+                        num_warps: int | None = None, num_stages: int | None = None,
+                        prefetch: bool | None = None) -> None:
+    """One fused step of one layer (arguments as in kernel_call; launch options left None
+    come from default_config)."""
+    T = x.shape[0]
+    config = default_config(*weight.shape, T)
+    grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks,
+                                               prefetch=prefetch)
+    _launch(grid, positional, constexprs, num_warps or config["num_warps"], num_stages or config["num_stages"])
+
+
+def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic) -> None:
     """The rule and store of the fused kernel for a tensor whose (N, K) gradient exists:
     one launch, no whole-tensor temporaries (ForgeOptimizer's non-fused parameters)."""
+    config = default_config(*weight.shape, 0)
     grid, positional, constexprs = kernel_call(grad, grad, weight, slots, args, stats, rule_name, stochastic,
-                                               grad_given=True)
-    fused_update_kernel[grid](*positional, **constexprs, num_warps=num_warps)
+                                               config["blocks"], grad_given=True)
+    _launch(grid, positional, constexprs, config["num_warps"], config["num_stages"])

@@ -1,0 +1,6 @@
+# Sourced by the gpu_call*.sh scripts on a lent GPU machine: the carried wheels (datasets,
+# liger-kernel, notebook test tools), import paths, and a step marker for $OUT/session.log.
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4
+LOG=$OUT/session.log
+step() { echo "=== $1 ($(date +%T))" >> $LOG; }
