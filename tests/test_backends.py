@@ -62,3 +62,18 @@ def test_triton_matches_reference(rule, precision, device):
         if a is not None:
             _compare(a, b, f"{rule} slot {i}")
     torch.testing.assert_close(tri.forge_stats, ref.forge_stats, rtol=1e-5, atol=0)
+
+
+def test_direct_launch_key_follows_what_triton_specialises_on():
+    """After its first launch the compiled kernel is reused for arguments Triton would
+    compile the same way (dtype, 16-byte alignment, integers equal to 1 or multiples of
+    16), and only for those."""
+    from forge_hf.kernels.fused_update import _specialisation
+
+    a = torch.zeros(64)
+    key = _specialisation([a, 32, 5])
+    assert key == _specialisation([torch.ones(8), 48, 7])
+    assert key != _specialisation([a[1:], 32, 5])  # 4 bytes off a 16-byte boundary
+    assert key != _specialisation([a.bfloat16(), 32, 5])
+    assert key != _specialisation([a, 33, 5])
+    assert key != _specialisation([a, 32, 1])
