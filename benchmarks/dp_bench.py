@@ -20,7 +20,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import time
 import traceback
 
@@ -33,6 +32,7 @@ import forge_hf
 from forge_hf.distributed import enable_data_parallel, row_band
 from forge_hf.optim import fused_layers
 from models import SHAPES
+from timing import step_times, summary
 
 ARMS = ("forge_dp", "ddp_fused_adamw", "fsdp2_fused_adamw")
 # forge_plain (no data parallelism at all) is for comparing with forge_dp at world size 1
@@ -255,24 +255,6 @@ def make_arm(opts, arm, model):
     raise ValueError(f"unknown arm {arm!r}: choose from {ARMS + ('forge_plain',)}")
 
 
-def timed(opts, step, n):
-    """Per-step milliseconds: CUDA events on a GPU, wall clock on CPU."""
-    times = []
-    for _ in range(n):
-        if opts.dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def run_arm(opts, name, arm, world, rank):
     """This rank's numbers for one (model, arm); a fresh model, freed afterwards."""
     cuda = opts.dev.type == "cuda"
@@ -295,9 +277,7 @@ def run_arm(opts, name, arm, world, rank):
         for _ in range(opts.warmup):
             step()
         sync(opts)
-        times = timed(opts, step, opts.steps)
-        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-        res.update(status="ok", step_ms=statistics.median(times), step_ms_q1=q[0], step_ms_q3=q[2])
+        res.update(status="ok", **summary(step_times(step, opts.steps, cuda=opts.dev.type == "cuda")))
     except torch.cuda.OutOfMemoryError:
         res.update(status="OOM")
     except Exception as e:  # noqa: BLE001 - a row, so the other arms still run (e.g. FSDP2 on gloo)

@@ -23,14 +23,13 @@ from forge_hf.state import STATE_PRECISIONS, ForgeState
 # (name, out_features, in_features, count per model) for Llama-3.1-8B
 LLAMA8B = [("q_proj/o_proj", 4096, 4096, 64), ("k_proj/v_proj", 1024, 4096, 64),
            ("gate/up_proj", 14336, 4096, 64), ("down_proj", 4096, 14336, 32), ("lm_head", 128256, 4096, 1)]
-# (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages, prefetch). The epilogue is latency-bound at one
-# or two programs per SM (Nsight Compute: 12.5% occupancy, 218 registers a thread), so the
+# (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages). The epilogue is latency-bound at one or two
+# programs per SM (Nsight Compute: 12.5% occupancy, 218 registers a thread), so the
 # candidates spread a tile over more warps: 16 elements a thread need ~100 registers.
 CONFIGS = [
-    (64, 64, 64, 8, 3, False), (64, 64, 64, 8, 4, False), (64, 64, 64, 8, 2, False),
-    (64, 64, 128, 8, 2, False), (64, 64, 32, 8, 4, False), (64, 128, 64, 16, 3, False),
-    (128, 64, 64, 16, 3, False), (32, 64, 64, 4, 3, False), (32, 128, 64, 8, 3, False),
-    (64, 64, 64, 8, 3, True), (64, 64, 64, 4, 4, False), (64, 128, 64, 4, 3, False),
+    (64, 64, 64, 8, 3), (64, 64, 64, 8, 4), (64, 64, 64, 8, 2), (64, 64, 128, 8, 2), (64, 64, 32, 8, 4),
+    (64, 128, 64, 16, 3), (128, 64, 64, 16, 3), (32, 64, 64, 4, 3), (32, 128, 64, 8, 3),
+    (64, 64, 64, 4, 4), (64, 128, 64, 4, 3),
 ]
 
 
@@ -45,7 +44,7 @@ def ceilings():
 
 
 def _flat(config: dict) -> tuple:
-    return (*config["blocks"], config["num_warps"], config["num_stages"], config["prefetch"])
+    return (*config["blocks"], config["num_warps"], config["num_stages"])
 
 
 def main():
@@ -79,9 +78,9 @@ def main():
         timings = {}
         configs = CONFIGS if opts.configs == "all" else [_flat(default_config(n, k, T))]
         for cfg in configs:
-            bn, bk, bt, nw, ns, pf = cfg
+            bn, bk, bt, nw, ns = cfg
             fn = lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", opts.rounding == "stochastic",
-                                             blocks=(bn, bk, bt), num_warps=nw, num_stages=ns, prefetch=pf)
+                                             blocks=(bn, bk, bt), num_warps=nw, num_stages=ns)
             try:
                 timings[str(cfg)] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
             except Exception as e:  # a config may not fit shared memory

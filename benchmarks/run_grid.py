@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 
 import torch
 
 from models import build_model
+from timing import step_times, summary
 
 ARMS = ["adamw_foreach", "adamw_fused", "grad_release_fused", "forge_fp32", "forge_bf16", "forge_int8",
         "bnb_adamw8bit"]
@@ -136,18 +136,8 @@ def run_cell(model_name, arm, batch, seq, warmup, steps, checkpointing=False):
         for _ in range(warmup - 1):
             step()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        q = statistics.quantiles(times, n=4)
-        median = statistics.median(times)
-        result.update(status="ok", step_ms=median, step_ms_q1=q[0], step_ms_q3=q[2],
-                      tokens_per_s=batch * seq / (median / 1e3),
+        timing = summary(step_times(step, steps))
+        result.update(status="ok", **timing, tokens_per_s=batch * seq / (timing["step_ms"] / 1e3),
                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
         if PROFILE:
             result.update(profile_steps(step))

@@ -28,6 +28,16 @@ import torch.distributed as dist
 MODES = ("sharded", "replicated")
 
 
+def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (all-gathers need equal pieces); ``t``
+    itself when it already has them and is contiguous."""
+    if t.shape[0] == rows and t.is_contiguous():
+        return t
+    padded = t.new_zeros((rows, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    return padded
+
+
 class TokenGather:
     """All-gathers (T_r, C) tensors along the token axis, ranks in order, any T_r."""
 
@@ -78,11 +88,7 @@ class TokenGather:
         out = []
         works = []
         for t in tensors:
-            if t_local == longest and t.is_contiguous():
-                padded = t
-            else:
-                padded = t.new_zeros((longest, t.shape[1]))
-                padded[:t_local] = t
+            padded = padded_rows(t, longest)
             buf = t.new_empty((self.world * longest, t.shape[1]))
             works.append(dist.all_gather_into_tensor(buf, padded, group=self.group, async_op=True))
             self.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()
@@ -152,11 +158,7 @@ class DataParallelFusion:
         padded to the longest band. Returns (work, buffer, bands, longest)."""
         bands = self._bands(n_rows)
         longest = max(b - a for a, b in bands)
-        if mine.shape[0] == longest and mine.is_contiguous():
-            padded = mine
-        else:
-            padded = mine.new_zeros((longest, *mine.shape[1:]))
-            padded[: mine.shape[0]] = mine
+        padded = padded_rows(mine, longest)
         buf = mine.new_empty((self.world * longest, *mine.shape[1:]))
         work = dist.all_gather_into_tensor(buf, padded, group=self.group, async_op=True)
         self.gather.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()

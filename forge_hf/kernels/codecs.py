@@ -40,8 +40,8 @@ def block_index(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def load_state_raw(ptr, offs, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
-    """What a state tile stores (fp32 values, bf16 bits or 8-bit codes), undecoded: the
-    kernel may issue this load early and decode it later. A missing slot reads nothing."""
+    """What a state tile stores (fp32 values, bf16 bits or 8-bit codes), undecoded (decode_state
+    reads it). A missing slot reads nothing."""
     if KIND == NONE:
         raw = 0
     else:

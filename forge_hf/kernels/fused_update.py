@@ -48,7 +48,7 @@ def fused_update_kernel(
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (codecs.py)
     QUANTISED: tl.constexpr,
     W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-    DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr,
     EVEN: tl.constexpr,  # the tiles cover the weight exactly: no bounds masks on its tiles
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -61,13 +61,6 @@ def fused_update_kernel(
     else:
         io_mask = mask
     offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
-
-    if PREFETCH:
-        # issue the weight and state loads first: their HBM latency hides behind the MMAs
-        w_raw = load_tile(w_ptr, offs, mask, EVEN)
-        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
-        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
-        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
 
     # Phase 1: the gradient tile, fp32 accumulation over tokens - or, for a tensor that
     # already has an ordinary gradient (ForgeOptimizer's non-fused ones), x_ptr is that
@@ -95,13 +88,12 @@ def fused_update_kernel(
     tl.atomic_add(stats_ptr, tl.where(ok, sumsq, 0.0))
     tl.atomic_add(stats_ptr + 1, tl.where(ok, 0.0, 1.0))
 
-    # Phase 2: the rule, on the same registers.
-    if not PREFETCH:
-        w_raw = load_tile(w_ptr, offs, mask, EVEN)
-        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
-        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
-        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
-    w = decode_value(w_raw, W_BF16)
+    # Phase 2: the rule, on the same registers. (Loading these tiles before the token loop
+    # was measured 2-5% slower: more live registers; benchmarks/NOTES.md.)
+    w = decode_value(load_tile(w_ptr, offs, mask, EVEN), W_BF16)
+    r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
+    r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
+    r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
     if QUANTISED:
         block, block_mask = block_index(rn, tl.program_id(1), N, KB, BLOCK_K)
     else:
@@ -154,9 +146,9 @@ _CONSTEXPR_NAMES = [p.name for p in getattr(fused_update_kernel, "params", ()) i
 def default_config(N: int, K: int, T: int) -> dict:
     """Tile shape and launch options for one layer shape (benchmarks/NOTES.md)."""
     if INTERPRETER:  # fewer, larger programs: the interpreter runs them one by one
-        return dict(blocks=(64, 64, 64), num_warps=4, num_stages=1, prefetch=False)
+        return dict(blocks=(64, 64, 64), num_warps=4, num_stages=1)
     # best single config over Llama-3.1-8B's shapes (benchmarks/NOTES.md)
-    return dict(blocks=(64, 64, 64), num_warps=4, num_stages=4, prefetch=False)
+    return dict(blocks=(64, 64, 64), num_warps=4, num_stages=4)
 
 
 def default_blocks(N: int, K: int, T: int) -> tuple[int, int, int]:
@@ -198,15 +190,12 @@ def kernel_call(
     blocks: tuple[int, int, int] | None = None,
     dot_fp32: bool | None = None,
     grad_given: bool = False,
-    prefetch: bool | None = None,
 ) -> tuple[tuple, list, dict]:
     """(grid, positional arguments, constexpr arguments) of the launch for these tensors;
     tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py)."""
     N, K = weight.shape
     T = 0 if grad_given else x.shape[0]  # grad_given: x is the (N, K) gradient, dy unused
-    config = default_config(N, K, T)
-    BN, BK, BT = blocks or config["blocks"]
-    prefetch = config["prefetch"] if prefetch is None else prefetch
+    BN, BK, BT = blocks or default_config(N, K, T)["blocks"]
     kinds = [storage_kind(s) for s in slots]
     quantised = any(isinstance(s, QuantisedSlot) for s in slots)
     if quantised and BK % codecs.BLOCK:
@@ -225,7 +214,7 @@ def kernel_call(
         RULE_UPDATE=RULE_UPDATES[rule_name],
         S0=kinds[0], S1=kinds[1], S2=kinds[2], QUANTISED=quantised,
         W_BF16=weight.dtype == torch.bfloat16, STOCHASTIC=stochastic,
-        DOT_FP32=dot_fp32, GRAD_GIVEN=grad_given, PREFETCH=prefetch, EVEN=N % BN == 0 and K % BK == 0,
+        DOT_FP32=dot_fp32, GRAD_GIVEN=grad_given, EVEN=N % BN == 0 and K % BK == 0,
         BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT,
     )
     return (triton.cdiv(N, BN), triton.cdiv(K, BK)), positional, constexprs
@@ -240,7 +229,7 @@ _COMPILED: dict = {}
 
 
 def _specialisation(positional: list) -> tuple:
-    return tuple((a.dtype, a.data_ptr() % 16 == 0, a.device) if isinstance(a, torch.Tensor)
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
                  else (a == 1, a % 16 == 0) for a in positional)
 
 
@@ -249,7 +238,8 @@ def _launch(grid, positional, constexprs, num_warps, num_stages) -> None:
     if INTERPRETER:
         fused_update_kernel[grid](*positional, **constexprs, **options)
         return
-    key = (_specialisation(positional), tuple(constexprs.items()), num_warps, num_stages)
+    # one device per launch (a compiled kernel is loaded on one): the first tensor's
+    key = (positional[0].device, _specialisation(positional), tuple(constexprs.items()), num_warps, num_stages)
     compiled = _COMPILED.get(key)
     if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
         _COMPILED[key] = fused_update_kernel[grid](*positional, **constexprs, **options)
@@ -258,14 +248,12 @@ def _launch(grid, positional, constexprs, num_warps, num_stages) -> None:
 
 
 def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
-                        num_warps: int | None = None, num_stages: int | None = None,
-                        prefetch: bool | None = None) -> None:
+                        num_warps: int | None = None, num_stages: int | None = None) -> None:
     """One fused step of one layer (arguments as in kernel_call; launch options left None
     come from default_config)."""
-    T = x.shape[0]
-    config = default_config(*weight.shape, T)
-    grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks,
-                                               prefetch=prefetch)
+    config = default_config(*weight.shape, x.shape[0])
+    grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic,
+                                               blocks or config["blocks"])
     _launch(grid, positional, constexprs, num_warps or config["num_warps"], num_stages or config["num_stages"])
 
 
