@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import time
 import traceback
 
@@ -31,11 +32,13 @@ from transformers import AutoModelForCausalLM
 import forge_hf
 from forge_hf.distributed import enable_data_parallel, row_band
 from forge_hf.optim import fused_layers
-from models import SHAPES
-from timing import step_times, summary
+from models import SHAPES, apply_liger
+from timing import profile_steps, step_times, summary
 
 ARMS = ("forge_dp", "ddp_fused_adamw", "fsdp2_fused_adamw")
-# forge_plain (no data parallelism at all) is for comparing with forge_dp at world size 1
+# forge_plain (no data parallelism at all) is for comparing with forge_dp at world size 1;
+# forge_dp_replicated (whole states, no row gathers) separates the row gathers' cost
+EXTRA_ARMS = ("forge_plain", "forge_dp_replicated")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float32: 23}
 # --tiny: a dry-run size of the same config family (a Qwen3 layer stays a Qwen3 layer)
@@ -69,6 +72,8 @@ def build(opts, name, dtype):
     torch.manual_seed(0)  # every rank and the single process start from the same weights
     with torch.device(opts.dev):
         model = AutoModelForCausalLM.from_config(cls(**kw, attn_implementation="sdpa"), dtype=dtype)
+    if opts.liger:
+        apply_liger(model)
     model.train()
     return model
 
@@ -237,9 +242,10 @@ def fully_shard_fn():
 def make_arm(opts, arm, model):
     """(module to call, optimizer) for ``arm``."""
     fused = True if opts.dev.type == "cuda" else None  # fused AdamW: GPU only here
-    if arm == "forge_dp":
+    if arm in ("forge_dp", "forge_dp_replicated"):
         patch(opts, model)
-        enable_data_parallel(model, mode="sharded")  # before DDP: it reads the ignore list
+        # before DDP: it reads the ignore list
+        enable_data_parallel(model, mode="sharded" if arm == "forge_dp" else "replicated")
         return ddp(opts, model), forge_optimizer(opts, model)
     if arm == "forge_plain":
         patch(opts, model)
@@ -252,7 +258,37 @@ def make_arm(opts, arm, model):
             fully_shard(layer)
         fully_shard(model)  # the root: embeddings, final norm, lm_head (tied or not)
         return model, torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01, fused=fused)
-    raise ValueError(f"unknown arm {arm!r}: choose from {ARMS + ('forge_plain',)}")
+    raise ValueError(f"unknown arm {arm!r}: choose from {ARMS + EXTRA_ARMS}")
+
+
+def phase_medians(phases, cuda) -> dict:
+    """Median host (issuing) and GPU (between the marks) milliseconds of each phase."""
+    out = {}
+    for i, phase in enumerate(("forward", "backward", "optimizer")):
+        out[f"{phase}_host"] = statistics.median((h[i + 1] - h[i]) * 1e3 for _, h in phases)
+        if cuda:
+            out[f"{phase}_gpu"] = statistics.median(m[i].elapsed_time(m[i + 1]) for m, _ in phases)
+    return out
+
+
+def ablate(kind: str, world: int) -> None:
+    """Benchmark-only ablations of the data-parallel layer, to find where its time goes.
+    no_announce: token counts taken as equal on every rank (true here: same batch shape),
+    no exchange in forward. local_tokens: no token gather at all, this rank's tokens
+    repeated instead: the gradient is wrong, only the timing means anything."""
+    from forge_hf import distributed
+
+    if kind == "no_announce":
+        def announce(self, t_local, device):
+            self._announced = (t_local, torch.full((self.world,), t_local), None)
+
+        distributed.TokenGather.announce = announce
+    elif kind == "local_tokens":
+        distributed.TokenGather.announce = lambda self, t_local, device: None
+        distributed.DataParallelFusion.gather_tokens = lambda self, x2, dy2: (
+            torch.cat([x2] * world), torch.cat([dy2] * world) / world)
+    elif kind != "none":
+        raise ValueError(f"unknown ablation {kind!r}")
 
 
 def run_arm(opts, name, arm, world, rank):
@@ -269,15 +305,32 @@ def run_arm(opts, name, arm, world, rank):
         runner, opt = make_arm(opts, arm, model)
         ids = local_slice(global_batch(opts, 0, world * opts.batch, model.config.vocab_size), rank, opts.batch)
 
+        phases = []  # per step: host and GPU milliseconds of forward, backward, optimizer
+
         def step():
-            runner(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            marks, host = [], []
+            for phase in ("forward", "backward", "optimizer", None):
+                if cuda:
+                    marks.append(torch.cuda.Event(enable_timing=True))
+                    marks[-1].record()
+                host.append(time.perf_counter())
+                if phase == "forward":
+                    loss = runner(input_ids=ids, labels=ids).loss
+                elif phase == "backward":
+                    loss.backward()
+                elif phase == "optimizer":
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            phases.append((marks, host))
 
         for _ in range(opts.warmup):
             step()
         sync(opts)
+        phases.clear()
         res.update(status="ok", **summary(step_times(step, opts.steps, cuda=opts.dev.type == "cuda")))
+        res["phases_ms"] = phase_medians(phases, cuda)
+        if opts.profile and cuda:
+            res.update(profile_steps(step))
     except torch.cuda.OutOfMemoryError:
         res.update(status="OOM")
     except Exception as e:  # noqa: BLE001 - a row, so the other arms still run (e.g. FSDP2 on gloo)
@@ -342,11 +395,16 @@ def main():
     ap.add_argument("--state", choices=("fp32", "bf16", "int8", "al8"), default="bf16")
     ap.add_argument("--weights", choices=tuple(DTYPES), default="bf16", help="parity mode: parameter dtype")
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic")
+    ap.add_argument("--liger", action="store_true", help="Liger's kernels in every arm (models.apply_liger)")
+    ap.add_argument("--ablate", choices=("none", "no_announce", "local_tokens"), default="none",
+                    help="speed mode: a benchmark-only change of forge's data-parallel layer (see ablate)")
+    ap.add_argument("--profile", action="store_true", help="speed mode: each rank profiles 3 more steps")
     ap.add_argument("--out", required=True)
     opts = ap.parse_args()
     if opts.steps is None:
         opts.steps = 5 if opts.mode == "parity" else 10
     world, rank = setup(opts)
+    ablate(opts.ablate, world)
     try:
         (parity if opts.mode == "parity" else speed)(opts, world, rank)
     finally:

@@ -25,7 +25,19 @@ SHAPES = {
 }
 
 
-def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", seed=0):
+def apply_liger(model) -> None:
+    """Liger's RMSNorm, SwiGLU and RoPE kernels on ``model`` (they save less for backward)
+    and its cross-entropy (the logits' gradient written in place of the logits; Liger sets
+    it process-wide, for every model built later). Not its fused linear cross-entropy: the
+    logits' head stays an ordinary linear that forge can fuse."""
+    import liger_kernel.transformers as liger
+
+    apply = {"llama": liger.apply_liger_kernel_to_llama, "qwen3": liger.apply_liger_kernel_to_qwen3}
+    apply[model.config.model_type](rope=True, rms_norm=True, swiglu=True, cross_entropy=True,
+                                   fused_linear_cross_entropy=False, model=model)
+
+
+def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", seed=0, liger=False):
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}: choose one of {sorted(SHAPES)}")
     cls, kw = SHAPES[name]
@@ -33,5 +45,7 @@ def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", see
     torch.manual_seed(seed)
     with torch.device(device):  # initialise on the GPU: seconds, not minutes, for 8B
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if liger:
+        apply_liger(model)
     model.train()
     return model

@@ -21,7 +21,7 @@ def summarize(results):
     """One row per (model, cell, arm): medians over rounds."""
     groups = defaultdict(list)
     for r in results:
-        arm = r["arm"] + (" +checkpointing" if r.get("checkpointing") else "")
+        arm = r["arm"] + (" +checkpointing" if r.get("checkpointing") else "") + (" +liger" if r.get("liger") else "")
         groups[(r["model"], f'{r["batch"]}x{r["seq"]}', arm)].append(r)
     rows = []
     for (model, cell, arm), rs in groups.items():

@@ -20,7 +20,7 @@ import time
 import torch
 
 from models import build_model
-from timing import step_times, summary
+from timing import profile_steps, step_times, summary
 
 ARMS = ["adamw_foreach", "adamw_fused", "grad_release_fused", "forge_fp32", "forge_bf16", "forge_int8",
         "bnb_adamw8bit"]
@@ -73,37 +73,14 @@ def make_optimizer(arm, model):
     raise ValueError(f"unknown arm {arm!r}: choose from {ARMS}")
 
 
-def profile_steps(step, steps=3) -> dict:
-    """Per step: GPU time of the fused kernel, GPU time of all kernels (busy time: a step
-    much longer than it waits on the host), and the top host and GPU entries."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    per_step = lambda us: us / 1e3 / steps
-    top = lambda items, key: [(e.key[:80], round(per_step(key(e)), 3), e.count // steps)
-                              for e in sorted(items, key=key, reverse=True)[:12]]
-    return dict(
-        fused_kernel_ms=per_step(sum(e.self_device_time_total for e in kernels if "fused_update_kernel" in e.key)),
-        gpu_busy_ms=per_step(sum(e.self_device_time_total for e in kernels)),
-        top_gpu_ms=top(kernels, lambda e: e.self_device_time_total),
-        top_host_self_ms=top([e for e in events if e.device_type == torch.autograd.DeviceType.CPU],
-                             lambda e: e.self_cpu_time_total),
-    )
-
-
-def run_cell(model_name, arm, batch, seq, warmup, steps, checkpointing=False):
+def run_cell(model_name, arm, batch, seq, warmup, steps, checkpointing=False, liger=False):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    result = dict(model=model_name, arm=arm, batch=batch, seq=seq, checkpointing=checkpointing)
+    result = dict(model=model_name, arm=arm, batch=batch, seq=seq, checkpointing=checkpointing, liger=liger)
     model = opt = None
     try:
         gib = lambda: torch.cuda.memory_allocated() / 2**30
-        model = build_model(model_name)
+        model = build_model(model_name, liger=liger)
         result["params"] = sum(p.numel() for p in model.parameters())
         if checkpointing:  # activations recomputed in backward: the peak is weights and states
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -163,6 +140,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in every arm")
+    ap.add_argument("--liger", action="store_true", help="Liger's kernels in every arm (models.apply_liger)")
     opts = ap.parse_args()
     global PROFILE
     PROFILE = not opts.no_profile
@@ -174,7 +152,7 @@ def main():
             for r in range(opts.rounds):
                 for arm in (arms if r % 2 == 0 else arms[::-1]):
                     t0 = time.time()
-                    res = run_cell(model_name, arm, batch, seq, opts.warmup, opts.steps, opts.checkpointing)
+                    res = run_cell(model_name, arm, batch, seq, opts.warmup, opts.steps, opts.checkpointing, opts.liger)
                     res.update(round=r, wall_s=time.time() - t0)
                     results.append(res)
                     print(json.dumps(res), flush=True)

@@ -29,3 +29,26 @@ def summary(times: list[float]) -> dict:
     """Median step time and its quartiles."""
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return dict(step_ms=statistics.median(times), step_ms_q1=q[0], step_ms_q3=q[2])
+
+
+def profile_steps(step, steps=3) -> dict:
+    """Per step: GPU time of the fused kernel, GPU time of all kernels (busy time: a step
+    much longer than it waits on the host), and the top host and GPU entries."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_step = lambda us: us / 1e3 / steps
+    top = lambda items, key: [(e.key[:80], round(per_step(key(e)), 3), e.count // steps)
+                              for e in sorted(items, key=key, reverse=True)[:12]]
+    return dict(
+        fused_kernel_ms=per_step(sum(e.self_device_time_total for e in kernels if "fused_update_kernel" in e.key)),
+        gpu_busy_ms=per_step(sum(e.self_device_time_total for e in kernels)),
+        top_gpu_ms=top(kernels, lambda e: e.self_device_time_total),
+        top_host_self_ms=top([e for e in events if e.device_type == torch.autograd.DeviceType.CPU],
+                             lambda e: e.self_cpu_time_total),
+    )

@@ -8,7 +8,8 @@ activations in backward instead of reducing a weight gradient, and:
 * ``mode="replicated"``: every rank applies the identical update to the whole weight;
 * ``mode="sharded"`` (default): rank r owns a contiguous band of tile rows, keeps the
   optimizer state of those rows only, updates them, and the updated rows are all-gathered
-  (asynchronously; the layer waits before it next reads the weight) - ZeRO-like.
+  (asynchronously, on a communicator of their own; the layer waits before it next reads
+  the weight) - ZeRO-like.
 
 Ranks are concatenated in rank order along the token axis, so the gradient is the one a
 single process sees for the concatenated batch. Each rank's loss is a mean over its own
@@ -54,7 +55,9 @@ class TokenGather:
         per layer there would stall the stream at every fused layer)."""
         if self.world == 1:
             return
-        sizes = torch.tensor([t_local], dtype=torch.int64, device=device)
+        # filled on the device: torch.tensor(..., device=cuda) would copy from the host and
+        # wait for the stream to drain, a host stall at every fused layer's forward
+        sizes = torch.full((1,), t_local, dtype=torch.int64, device=device)
         every = torch.empty(self.world, dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(every, sizes, group=self.group)
         self.bytes_sent += (self.world - 1) * sizes.element_size()
@@ -80,26 +83,29 @@ class TokenGather:
         return every.tolist()
 
     def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's rows of each (T_r, C_i) tensor. Tensors of one dtype travel packed
+        side by side as one (T, sum C_i) tensor: one collective, so one meeting of the
+        ranks, per call instead of one per tensor; the results are column views of it."""
         if self.world == 1:
             return list(tensors)
         t_local = tensors[0].shape[0]
         counts = self._counts(t_local, tensors[0].device)
         longest = max(counts)
-        out = []
-        works = []
-        for t in tensors:
-            padded = padded_rows(t, longest)
-            buf = t.new_empty((self.world * longest, t.shape[1]))
-            works.append(dist.all_gather_into_tensor(buf, padded, group=self.group, async_op=True))
-            self.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()
-            out.append(buf)
-        for w in works:
-            w.wait()
+        if len({t.dtype for t in tensors}) == 1:
+            widths = [t.shape[1] for t in tensors]
+            packed = self._all_gather(padded_rows(torch.cat(tensors, dim=1), longest), counts, longest)
+            return list(packed.split(widths, dim=1))
+        return [self._all_gather(padded_rows(t, longest), counts, longest) for t in tensors]
+
+    def _all_gather(self, padded: torch.Tensor, counts: list[int], longest: int) -> torch.Tensor:
+        buf = padded.new_empty((self.world * longest, padded.shape[1]))
+        dist.all_gather_into_tensor(buf, padded, group=self.group)
+        self.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()
         if all(c == longest for c in counts):
-            return out
-        keep = torch.cat([torch.arange(r * longest, r * longest + c, device=out[0].device)
+            return buf
+        keep = torch.cat([torch.arange(r * longest, r * longest + c, device=buf.device)
                           for r, c in enumerate(counts)])
-        return [b.index_select(0, keep) for b in out]
+        return buf.index_select(0, keep)
 
 
 def row_band(n_rows: int, block_n: int, world: int, rank: int) -> tuple[int, int]:
@@ -116,7 +122,10 @@ class DataParallelFusion:
 
     # Bands are whole multiples of 8 rows: fine enough to balance the states of small
     # layers; a band needs no alignment to the kernel's tiles (a slice is launched as is).
-    def __init__(self, mode: str = "sharded", group=None, block_n: int = 8):
+    # ``row_group``: the process group (same ranks) that carries the updated rows. A
+    # communicator runs its collectives in order, so on ``group`` itself the next layer's
+    # token gather, which its step waits for, would queue behind this layer's rows.
+    def __init__(self, mode: str = "sharded", group=None, block_n: int = 8, row_group=None):
         if mode not in MODES:
             raise ValueError(f"unknown data-parallel mode={mode!r}: choose one of {list(MODES)}")
         if not dist.is_available() or not dist.is_initialized():
@@ -127,6 +136,7 @@ class DataParallelFusion:
         self.mode = mode
         self.gather = TokenGather(group)
         self.group = group
+        self.row_group = group if row_group is None else row_group
         self.world, self.rank = self.gather.world, self.gather.rank
         self.block_n = block_n
         self.pending = None  # the async all-gather of updated rows, waited on before next read
@@ -155,12 +165,12 @@ class DataParallelFusion:
 
     def _start_band_gather(self, mine: torch.Tensor, n_rows: int):
         """All-gather every rank's band (``mine``: this rank's rows, rows first), each
-        padded to the longest band. Returns (work, buffer, bands, longest)."""
+        padded to the longest band, on the row group. Returns (work, buffer, bands, longest)."""
         bands = self._bands(n_rows)
         longest = max(b - a for a, b in bands)
         padded = padded_rows(mine, longest)
         buf = mine.new_empty((self.world * longest, *mine.shape[1:]))
-        work = dist.all_gather_into_tensor(buf, padded, group=self.group, async_op=True)
+        work = dist.all_gather_into_tensor(buf, padded, group=self.row_group, async_op=True)
         self.gather.bytes_sent += (self.world - 1) * padded.numel() * padded.element_size()
         return work, buf, bands, longest
 
@@ -186,7 +196,7 @@ class DataParallelFusion:
         start, stop = self.rows(n_rows)
         if n_rows == self.world * (stop - start) and weight_view.is_contiguous():
             # equal bands, in rank order: gather in place, straight into the weight
-            work = dist.all_gather_into_tensor(weight_view, weight_view[start:stop], group=self.group,
+            work = dist.all_gather_into_tensor(weight_view, weight_view[start:stop], group=self.row_group,
                                                async_op=True)
             self.gather.bytes_sent += (self.world - 1) * weight_view[start:stop].nbytes
             self.pending = (work, None, None, None, weight_view)
@@ -215,11 +225,17 @@ def enable_data_parallel(model: torch.nn.Module, mode: str = "sharded", group=No
     from .linear import FusedWeightMixin  # linear imports nothing from here
 
     names = []
-    for module_name, module in model.named_modules():
-        if isinstance(module, FusedWeightMixin):
-            # a transposed (Conv1D) weight's rows are strided columns: replicate it
-            module.forge_dp = DataParallelFusion("replicated" if module.forge_transposed else mode, group)
-            names.append(f"{module_name}.weight" if module_name else "weight")
+    fused = [(n, m) for n, m in model.named_modules() if isinstance(m, FusedWeightMixin)]
+    # one communicator more for the updated rows (DataParallelFusion); every rank calls this
+    row_group = None
+    if fused and mode == "sharded" and dist.is_initialized() and dist.get_world_size(group) > 1:
+        row_group = (dist.new_group() if group is None else
+                     dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True))
+    for module_name, module in fused:
+        # a transposed (Conv1D) weight's rows are strided columns: replicate it
+        module.forge_dp = DataParallelFusion("replicated" if module.forge_transposed else mode, group,
+                                             row_group=row_group)
+        names.append(f"{module_name}.weight" if module_name else "weight")
     if not names:
         raise ValueError(
             f"{type(model).__name__} has no fused layers: call forge_hf.patch_model(model, ...) before "

@@ -163,3 +163,65 @@ def test_world_of_one_steps_like_no_data_parallelism(mode, one_process_group):
             dp(x).backward(dy)
         dp.forge_ready()
         assert torch.equal(dp.weight, plain.weight)
+
+
+class _FakeTwoRanks:
+    """torch.distributed's all-gather as two identical ranks would run it, recording the
+    calls: the collectives' structure, checked without processes."""
+
+    def __init__(self, monkeypatch):
+        from forge_hf import distributed
+
+        self.calls = []
+        monkeypatch.setattr(distributed.dist, "all_gather_into_tensor", self.all_gather_into_tensor)
+
+    def all_gather_into_tensor(self, out, inp, group=None, async_op=False):
+        self.calls.append((tuple(inp.shape), group))
+        out.copy_(torch.cat([inp, inp]))
+
+        class Done:
+            def wait(self):
+                pass
+
+        return Done() if async_op else None
+
+
+def _two_rank_gather():
+    from forge_hf.distributed import TokenGather
+
+    gather = TokenGather.__new__(TokenGather)
+    gather.group, gather.world, gather.rank, gather.bytes_sent, gather._announced = "tokens", 2, 0, 0, None
+    return gather
+
+
+def test_token_gather_sends_inputs_and_output_gradients_in_one_collective(monkeypatch):
+    fake = _FakeTwoRanks(monkeypatch)
+    gather = _two_rank_gather()
+    x, dy = torch.randn(5, 7), torch.randn(5, 3)
+    gather.announce(5, x.device)
+    fake.calls.clear()
+    x_all, dy_all = gather.gather(x, dy)
+    assert fake.calls == [((5, 10), "tokens")]
+    assert torch.equal(x_all, torch.cat([x, x])) and torch.equal(dy_all, torch.cat([dy, dy]))
+    assert gather.bytes_sent == 8 + (5 * 10) * 4  # its count, then the packed rows (the other rank: world - 1)
+    # tensors of different dtypes cannot share a buffer: one collective each
+    gather.announce(5, x.device)
+    fake.calls.clear()
+    x_all, dy_all = gather.gather(x, dy.double())
+    assert fake.calls == [((5, 7), "tokens"), ((5, 3), "tokens")]
+    assert torch.equal(dy_all, torch.cat([dy, dy]).double())
+
+
+def test_updated_rows_travel_on_their_own_process_group(monkeypatch):
+    """The next layer's token gather (on the tokens' group) must not queue behind them."""
+    from forge_hf.distributed import DataParallelFusion
+
+    fake = _FakeTwoRanks(monkeypatch)
+    dp = DataParallelFusion.__new__(DataParallelFusion)
+    dp.mode, dp.group, dp.row_group, dp.world, dp.rank, dp.block_n = "sharded", "tokens", "rows", 2, 0, 8
+    dp.gather, dp.pending = _two_rank_gather(), None
+    weight = torch.zeros(32, 6)
+    weight[:16] = 1.0
+    dp.share_rows(weight)
+    dp.wait()
+    assert fake.calls == [((16, 6), "rows")] and torch.equal(weight, torch.ones(32, 6))
