@@ -274,15 +274,13 @@ def phase_medians(phases, cuda) -> dict:
 def ablate(kind: str, world: int) -> None:
     """Benchmark-only ablations of the data-parallel layer, to find where its time goes.
     no_announce: token counts taken as equal on every rank (true here: same batch shape),
-    no exchange in forward. local_tokens: no token gather at all, this rank's tokens
+    never exchanged. local_tokens: no token gather at all, this rank's tokens
     repeated instead: the gradient is wrong, only the timing means anything."""
     from forge_hf import distributed
 
     if kind == "no_announce":
-        def announce(self, t_local, device):
-            self._announced = (t_local, torch.full((self.world,), t_local), None)
-
-        distributed.TokenGather.announce = announce
+        distributed.TokenGather.announce = lambda self, t_local, device: None
+        distributed.TokenGather._counts = lambda self, t_local, device: [t_local] * self.world
     elif kind == "local_tokens":
         distributed.TokenGather.announce = lambda self, t_local, device: None
         distributed.DataParallelFusion.gather_tokens = lambda self, x2, dy2: (

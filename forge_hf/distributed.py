@@ -39,48 +39,61 @@ def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return padded
 
 
-class TokenGather:
-    """All-gathers (T_r, C) tensors along the token axis, ranks in order, any T_r."""
+class TokenCounts:
+    """Every rank's token count of each fused forward call, exchanged in one collective
+    when a backward first needs one, not one collective per call: a forward then makes no
+    collective at all, and backward waits for the GPU once per exchange.
+
+    Shared by the fused layers of a model (enable_data_parallel). Like every collective
+    here it needs the ranks to make the same fused calls in the same order, so their
+    queues of announced calls have equal lengths; a call announced again (a checkpointed
+    segment recomputed in backward) is exchanged again."""
 
     def __init__(self, group=None):
         self.group = group
         self.world = dist.get_world_size(group)
+        self.pending: list[tuple["TokenGather", int]] = []  # announced, not yet exchanged
+
+    def announce(self, owner: "TokenGather", t_local: int) -> None:
+        owner.counted = None
+        self.pending.append((owner, t_local))
+
+    def exchange(self, device: torch.device) -> None:
+        """Every rank's counts of the pending calls, handed to their owners."""
+        calls, self.pending = self.pending, []
+        mine = torch.tensor([t for _, t in calls], dtype=torch.int64).to(device, non_blocking=True)
+        every = torch.empty(self.world * len(calls), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        table = every.view(self.world, len(calls)).t().tolist()  # the one wait for the GPU
+        for (owner, t_local), counts in zip(calls, table):
+            owner.counted = (t_local, counts)
+            owner.bytes_sent += (self.world - 1) * mine.element_size()
+
+
+class TokenGather:
+    """All-gathers (T_r, C) tensors along the token axis, ranks in order, any T_r."""
+
+    def __init__(self, group=None, counts: TokenCounts | None = None):
+        self.group = group
+        self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.counts = TokenCounts(group) if counts is None else counts
         self.bytes_sent = 0  # what this rank puts on the wire (ring all-gather: world - 1 chunks)
-        self._announced = None  # (local count, every rank's count on the host, its CUDA event)
+        self.counted = None  # (local count, every rank's count) of the last exchanged call
 
     def announce(self, t_local: int, device: torch.device) -> None:
-        """Exchange this call's token count in forward. Backward reads it from pinned host
-        memory written long before, so it never waits for the GPU to drain (an ``item()``
-        per layer there would stall the stream at every fused layer)."""
-        if self.world == 1:
-            return
-        # filled on the device: torch.tensor(..., device=cuda) would copy from the host and
-        # wait for the stream to drain, a host stall at every fused layer's forward
-        sizes = torch.full((1,), t_local, dtype=torch.int64, device=device)
-        every = torch.empty(self.world, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(every, sizes, group=self.group)
-        self.bytes_sent += (self.world - 1) * sizes.element_size()
-        event = None
-        if device.type == "cuda":
-            host = torch.empty(self.world, dtype=torch.int64, pin_memory=True)
-            host.copy_(every, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            every = host
-        self._announced = (t_local, every, event)
+        """Queue this forward call's token count for the next exchange (no collective)."""
+        if self.world > 1:
+            self.counts.announce(self, t_local)
 
     def _counts(self, t_local: int, device: torch.device) -> list[int]:
-        announced, self._announced = self._announced, None
-        if announced is None or announced[0] != t_local:
-            # not announced in forward: exchange now (every rank takes this branch: all
-            # ran the same forward calls, and a call's backward sees its forward's tokens)
-            self.announce(t_local, device)
-            announced, self._announced = self._announced, None
-        _, every, event = announced
-        if event is not None:
-            event.synchronize()
-        return every.tolist()
+        if self.counted is None or self.counted[0] != t_local:
+            if not any(owner is self for owner, _ in self.counts.pending):
+                # not announced in forward: announce now (every rank takes this branch: all
+                # ran the same forward calls, and a call's backward sees its forward's tokens)
+                self.counts.announce(self, t_local)
+            self.counts.exchange(device)
+        return self.counted[1]
 
     def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's rows of each (T_r, C_i) tensor. Tensors of one dtype travel packed
@@ -125,7 +138,8 @@ class DataParallelFusion:
     # ``row_group``: the process group (same ranks) that carries the updated rows. A
     # communicator runs its collectives in order, so on ``group`` itself the next layer's
     # token gather, which its step waits for, would queue behind this layer's rows.
-    def __init__(self, mode: str = "sharded", group=None, block_n: int = 8, row_group=None):
+    def __init__(self, mode: str = "sharded", group=None, block_n: int = 8, row_group=None,
+                 counts: TokenCounts | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown data-parallel mode={mode!r}: choose one of {list(MODES)}")
         if not dist.is_available() or not dist.is_initialized():
@@ -134,7 +148,7 @@ class DataParallelFusion:
                 "launch with torchrun or accelerate launch, or call torch.distributed.init_process_group first"
             )
         self.mode = mode
-        self.gather = TokenGather(group)
+        self.gather = TokenGather(group, counts)
         self.group = group
         self.row_group = group if row_group is None else row_group
         self.world, self.rank = self.gather.world, self.gather.rank
@@ -231,10 +245,11 @@ def enable_data_parallel(model: torch.nn.Module, mode: str = "sharded", group=No
     if fused and mode == "sharded" and dist.is_initialized() and dist.get_world_size(group) > 1:
         row_group = (dist.new_group() if group is None else
                      dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True))
+    counts = TokenCounts(group) if fused and dist.is_initialized() else None  # one exchange per backward
     for module_name, module in fused:
         # a transposed (Conv1D) weight's rows are strided columns: replicate it
         module.forge_dp = DataParallelFusion("replicated" if module.forge_transposed else mode, group,
-                                             row_group=row_group)
+                                             row_group=row_group, counts=counts)
         names.append(f"{module_name}.weight" if module_name else "weight")
     if not names:
         raise ValueError(

@@ -37,3 +37,40 @@ def _bf16_ordinal(t):
 def bf16_ulps_apart(a, b):
     """Distance in bf16 representable steps, across zero too."""
     return (_bf16_ordinal(a) - _bf16_ordinal(b)).abs()
+
+
+# ------------------------------------------------- data parallel without processes
+
+
+class FakeTwoRanks:
+    """torch.distributed's all-gather as two identical ranks would run it, recording the
+    calls: the collectives' structure, checked without processes."""
+
+    def __init__(self, monkeypatch):
+        from forge_hf import distributed
+
+        self.calls = []
+        monkeypatch.setattr(distributed.dist, "all_gather_into_tensor", self.all_gather_into_tensor)
+
+    def all_gather_into_tensor(self, out, inp, group=None, async_op=False):
+        self.calls.append((tuple(inp.shape), group))
+        out.copy_(torch.cat([inp, inp]))
+
+        class Done:
+            def wait(self):
+                pass
+
+        return Done() if async_op else None
+
+
+def two_rank_gather(counts=None):
+    """A TokenGather of rank 0 of two, without a process group (with FakeTwoRanks)."""
+    from forge_hf.distributed import TokenCounts, TokenGather
+
+    if counts is None:
+        counts = TokenCounts.__new__(TokenCounts)
+        counts.group, counts.world, counts.pending = "tokens", 2, []
+    gather = TokenGather.__new__(TokenGather)
+    gather.group, gather.world, gather.rank, gather.bytes_sent, gather.counted = "tokens", 2, 0, 0, None
+    gather.counts = counts
+    return gather

@@ -11,7 +11,7 @@ import torch
 
 import dp_worker
 from forge_hf.distributed import row_band
-from helpers import RTOL_FP32
+from helpers import RTOL_FP32, FakeTwoRanks, two_rank_gather
 
 STEPS, LOCAL_BATCH = 5, 1  # 8 tokens a rank: below every layer's in*out/(in+out)
 HERE = Path(__file__).parent
@@ -165,61 +165,50 @@ def test_world_of_one_steps_like_no_data_parallelism(mode, one_process_group):
         assert torch.equal(dp.weight, plain.weight)
 
 
-class _FakeTwoRanks:
-    """torch.distributed's all-gather as two identical ranks would run it, recording the
-    calls: the collectives' structure, checked without processes."""
-
-    def __init__(self, monkeypatch):
-        from forge_hf import distributed
-
-        self.calls = []
-        monkeypatch.setattr(distributed.dist, "all_gather_into_tensor", self.all_gather_into_tensor)
-
-    def all_gather_into_tensor(self, out, inp, group=None, async_op=False):
-        self.calls.append((tuple(inp.shape), group))
-        out.copy_(torch.cat([inp, inp]))
-
-        class Done:
-            def wait(self):
-                pass
-
-        return Done() if async_op else None
-
-
-def _two_rank_gather():
-    from forge_hf.distributed import TokenGather
-
-    gather = TokenGather.__new__(TokenGather)
-    gather.group, gather.world, gather.rank, gather.bytes_sent, gather._announced = "tokens", 2, 0, 0, None
-    return gather
-
-
 def test_token_gather_sends_inputs_and_output_gradients_in_one_collective(monkeypatch):
-    fake = _FakeTwoRanks(monkeypatch)
-    gather = _two_rank_gather()
+    fake = FakeTwoRanks(monkeypatch)
+    gather = two_rank_gather()
     x, dy = torch.randn(5, 7), torch.randn(5, 3)
     gather.announce(5, x.device)
-    fake.calls.clear()
     x_all, dy_all = gather.gather(x, dy)
-    assert fake.calls == [((5, 10), "tokens")]
+    assert fake.calls == [((1,), "tokens"), ((5, 10), "tokens")]  # the count, then the packed rows
     assert torch.equal(x_all, torch.cat([x, x])) and torch.equal(dy_all, torch.cat([dy, dy]))
-    assert gather.bytes_sent == 8 + (5 * 10) * 4  # its count, then the packed rows (the other rank: world - 1)
+    assert gather.bytes_sent == 8 + (5 * 10) * 4  # to the other rank: world - 1 copies
     # tensors of different dtypes cannot share a buffer: one collective each
     gather.announce(5, x.device)
     fake.calls.clear()
     x_all, dy_all = gather.gather(x, dy.double())
-    assert fake.calls == [((5, 7), "tokens"), ((5, 3), "tokens")]
+    assert fake.calls == [((1,), "tokens"), ((5, 7), "tokens"), ((5, 3), "tokens")]
     assert torch.equal(dy_all, torch.cat([dy, dy]).double())
+
+
+def test_token_counts_of_a_whole_forward_are_exchanged_in_one_collective(monkeypatch):
+    """Forward makes no collective; the first backward gather exchanges every layer's
+    count at once; a call announced again (recomputed) is exchanged again."""
+    fake = FakeTwoRanks(monkeypatch)
+    first = two_rank_gather()
+    layers = [first] + [two_rank_gather(first.counts) for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer.announce(10 + i, torch.device("cpu"))
+    assert fake.calls == []
+    for i, layer in enumerate(reversed(layers)):  # backward runs in reverse
+        assert layer._counts(13 - i, torch.device("cpu")) == [13 - i, 13 - i]
+    assert fake.calls == [((4,), "tokens")]
+    assert [layer.bytes_sent for layer in layers] == [8] * 4
+    layers[2].announce(12, torch.device("cpu"))  # a checkpointed segment, recomputed
+    assert layers[2]._counts(12, torch.device("cpu")) == [12, 12]
+    assert layers[1]._counts(11, torch.device("cpu")) == [11, 11]
+    assert fake.calls == [((4,), "tokens"), ((1,), "tokens")]
 
 
 def test_updated_rows_travel_on_their_own_process_group(monkeypatch):
     """The next layer's token gather (on the tokens' group) must not queue behind them."""
     from forge_hf.distributed import DataParallelFusion
 
-    fake = _FakeTwoRanks(monkeypatch)
+    fake = FakeTwoRanks(monkeypatch)
     dp = DataParallelFusion.__new__(DataParallelFusion)
     dp.mode, dp.group, dp.row_group, dp.world, dp.rank, dp.block_n = "sharded", "tokens", "rows", 2, 0, 8
-    dp.gather, dp.pending = _two_rank_gather(), None
+    dp.gather, dp.pending = two_rank_gather(), None
     weight = torch.zeros(32, 6)
     weight[:16] = 1.0
     dp.share_rows(weight)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import forge_hf
-from forge_hf import distributed
+from helpers import FakeTwoRanks, two_rank_gather
 
 pytestmark = pytest.mark.gpu
 
@@ -53,17 +53,14 @@ def test_a_training_step_does_not_synchronise(state_precision, no_host_sync):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_announcing_a_layers_tokens_does_not_synchronise(monkeypatch, no_host_sync):
-    """Data parallel: each fused layer's forward exchanges its token count; backward
-    reads it from pinned memory. (A fake two-rank all-gather: one GPU cannot hold two
-    NCCL ranks.)"""
-
-    def all_gather_into_tensor(out, inp, group=None, async_op=False):
-        out.copy_(inp.repeat(out.numel() // inp.numel()))
-
-    monkeypatch.setattr(distributed.dist, "all_gather_into_tensor", all_gather_into_tensor)
-    gather = distributed.TokenGather.__new__(distributed.TokenGather)
-    gather.group, gather.world, gather.rank, gather.bytes_sent, gather._announced = None, 2, 0, 0, None
+def test_data_parallel_forward_does_not_synchronise(monkeypatch, no_host_sync):
+    """Data parallel: fused forwards queue their token counts without a collective or a
+    copy; backward's first gather exchanges them. (A fake two-rank all-gather: one GPU
+    cannot hold two NCCL ranks.)"""
+    FakeTwoRanks(monkeypatch)
+    layers = [two_rank_gather()]
+    layers.append(two_rank_gather(layers[0].counts))
     with no_host_sync:
-        gather.announce(51, torch.device("cuda"))
-    assert gather._counts(51, torch.device("cuda")) == [51, 51]
+        for layer in layers:
+            layer.announce(51, torch.device("cuda"))
+    assert [layer._counts(51, torch.device("cuda")) for layer in layers] == [[51, 51]] * 2
