@@ -279,10 +279,10 @@ def ablate(kind: str, world: int) -> None:
     from forge_hf import distributed
 
     if kind == "no_announce":
-        distributed.TokenGather.announce = lambda self, t_local, device: None
+        distributed.TokenGather.announce = lambda self, t_local: None
         distributed.TokenGather._counts = lambda self, t_local, device: [t_local] * self.world
     elif kind == "local_tokens":
-        distributed.TokenGather.announce = lambda self, t_local, device: None
+        distributed.TokenGather.announce = lambda self, t_local: None
         distributed.DataParallelFusion.gather_tokens = lambda self, x2, dy2: (
             torch.cat([x2] * world), torch.cat([dy2] * world) / world)
     elif kind != "none":

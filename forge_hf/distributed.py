@@ -81,7 +81,7 @@ class TokenGather:
         self.bytes_sent = 0  # what this rank puts on the wire (ring all-gather: world - 1 chunks)
         self.counted = None  # (local count, every rank's count) of the last exchanged call
 
-    def announce(self, t_local: int, device: torch.device) -> None:
+    def announce(self, t_local: int) -> None:
         """Queue this forward call's token count for the next exchange (no collective)."""
         if self.world > 1:
             self.counts.announce(self, t_local)
@@ -165,8 +165,8 @@ class DataParallelFusion:
             return 0, n_rows
         return row_band(n_rows, self.block_n, self.world, self.rank)
 
-    def announce_tokens(self, t_local: int, device: torch.device) -> None:
-        self.gather.announce(t_local, device)
+    def announce_tokens(self, t_local: int) -> None:
+        self.gather.announce(t_local)
 
     def gather_tokens(self, x2, dy2):
         if self.world == 1:

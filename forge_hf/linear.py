@@ -306,7 +306,7 @@ class FusedWeightMixin:
             anchor = self._forge_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
         dp = self.__dict__.get("forge_dp")
         if dp is not None:
-            dp.announce_tokens(x.numel() // max(x.shape[-1], 1), x.device)
+            dp.announce_tokens(x.numel() // max(x.shape[-1], 1))
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             # autocast does not reach inside a custom Function: cast as it would for linear

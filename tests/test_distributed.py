@@ -169,13 +169,13 @@ def test_token_gather_sends_inputs_and_output_gradients_in_one_collective(monkey
     fake = FakeTwoRanks(monkeypatch)
     gather = two_rank_gather()
     x, dy = torch.randn(5, 7), torch.randn(5, 3)
-    gather.announce(5, x.device)
+    gather.announce(5)
     x_all, dy_all = gather.gather(x, dy)
     assert fake.calls == [((1,), "tokens"), ((5, 10), "tokens")]  # the count, then the packed rows
     assert torch.equal(x_all, torch.cat([x, x])) and torch.equal(dy_all, torch.cat([dy, dy]))
     assert gather.bytes_sent == 8 + (5 * 10) * 4  # to the other rank: world - 1 copies
     # tensors of different dtypes cannot share a buffer: one collective each
-    gather.announce(5, x.device)
+    gather.announce(5)
     fake.calls.clear()
     x_all, dy_all = gather.gather(x, dy.double())
     assert fake.calls == [((1,), "tokens"), ((5, 7), "tokens"), ((5, 3), "tokens")]
@@ -189,13 +189,13 @@ def test_token_counts_of_a_whole_forward_are_exchanged_in_one_collective(monkeyp
     first = two_rank_gather()
     layers = [first] + [two_rank_gather(first.counts) for _ in range(3)]
     for i, layer in enumerate(layers):
-        layer.announce(10 + i, torch.device("cpu"))
+        layer.announce(10 + i)
     assert fake.calls == []
     for i, layer in enumerate(reversed(layers)):  # backward runs in reverse
         assert layer._counts(13 - i, torch.device("cpu")) == [13 - i, 13 - i]
     assert fake.calls == [((4,), "tokens")]
     assert [layer.bytes_sent for layer in layers] == [8] * 4
-    layers[2].announce(12, torch.device("cpu"))  # a checkpointed segment, recomputed
+    layers[2].announce(12)  # a checkpointed segment, recomputed
     assert layers[2]._counts(12, torch.device("cpu")) == [12, 12]
     assert layers[1]._counts(11, torch.device("cpu")) == [11, 11]
     assert fake.calls == [((4,), "tokens"), ((1,), "tokens")]

@@ -62,5 +62,5 @@ def test_data_parallel_forward_does_not_synchronise(monkeypatch, no_host_sync):
     layers.append(two_rank_gather(layers[0].counts))
     with no_host_sync:
         for layer in layers:
-            layer.announce(51, torch.device("cuda"))
+            layer.announce(51)
     assert [layer._counts(51, torch.device("cuda")) for layer in layers] == [[51, 51]] * 2
