@@ -59,15 +59,27 @@ class TokenCounts:
         self.pending.append((owner, t_local))
 
     def exchange(self, device: torch.device) -> None:
-        """Every rank's counts of the pending calls, handed to their owners."""
+        """Every rank's counts of the pending calls, handed to their owners. The queues'
+        lengths go first: ranks that made different fused calls get an error, not a hang."""
         calls, self.pending = self.pending, []
-        mine = torch.tensor([t for _, t in calls], dtype=torch.int64).to(device, non_blocking=True)
-        every = torch.empty(self.world * len(calls), dtype=torch.int64, device=device)
+        lengths = self._all_gather(torch.tensor([len(calls)]), device)
+        if len(set(lengths)) > 1:
+            raise RuntimeError(
+                f"data-parallel ranks made different numbers of fused forward calls since the last "
+                f"backward (per rank: {lengths}): every rank must run the same fused layers in the same "
+                "order; exclude data-dependent layers (e.g. routed experts) from patch_model")
+        counts = self._all_gather(torch.tensor([t for _, t in calls]), device)
+        calls[0][0].bytes_sent += (self.world - 1) * 8  # the queue's length
+        for i, (owner, t_local) in enumerate(calls):
+            owner.counted = (t_local, counts[i::len(calls)])
+            owner.bytes_sent += (self.world - 1) * 8
+
+    def _all_gather(self, mine: torch.Tensor, device: torch.device) -> list[int]:
+        """Every rank's int64 values, rank after rank, on the host (a wait for the GPU)."""
+        mine = mine.to(device=device, dtype=torch.int64, non_blocking=True)
+        every = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(every, mine, group=self.group)
-        table = every.view(self.world, len(calls)).t().tolist()  # the one wait for the GPU
-        for (owner, t_local), counts in zip(calls, table):
-            owner.counted = (t_local, counts)
-            owner.bytes_sent += (self.world - 1) * mine.element_size()
+        return every.tolist()
 
 
 class TokenGather:

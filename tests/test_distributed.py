@@ -82,7 +82,7 @@ def test_ranks_match_one_process_and_each_other(world, mode, tmp_path, single_pr
     # what one rank sends per step: a ring all-gather puts world - 1 chunks on the wire;
     # the token counts (8 bytes), both activations (fp32), and in sharded mode the rows
     tokens = LOCAL_BATCH * dp_worker.SEQ
-    expected = 0
+    expected = (world - 1) * 8  # the number of fused calls, once a step, then each call's count
     for m in fused.values():
         n_out, n_in = m.weight.shape
         expected += (world - 1) * (8 + tokens * (n_in + n_out) * 4)
@@ -171,14 +171,15 @@ def test_token_gather_sends_inputs_and_output_gradients_in_one_collective(monkey
     x, dy = torch.randn(5, 7), torch.randn(5, 3)
     gather.announce(5)
     x_all, dy_all = gather.gather(x, dy)
-    assert fake.calls == [((1,), "tokens"), ((5, 10), "tokens")]  # the count, then the packed rows
+    # how many calls, their counts, then the packed rows
+    assert fake.calls == [((1,), "tokens"), ((1,), "tokens"), ((5, 10), "tokens")]
     assert torch.equal(x_all, torch.cat([x, x])) and torch.equal(dy_all, torch.cat([dy, dy]))
-    assert gather.bytes_sent == 8 + (5 * 10) * 4  # to the other rank: world - 1 copies
+    assert gather.bytes_sent == 8 + 8 + (5 * 10) * 4  # to the other rank: world - 1 copies
     # tensors of different dtypes cannot share a buffer: one collective each
     gather.announce(5)
     fake.calls.clear()
     x_all, dy_all = gather.gather(x, dy.double())
-    assert fake.calls == [((1,), "tokens"), ((5, 7), "tokens"), ((5, 3), "tokens")]
+    assert fake.calls[2:] == [((5, 7), "tokens"), ((5, 3), "tokens")]
     assert torch.equal(dy_all, torch.cat([dy, dy]).double())
 
 
@@ -193,12 +194,25 @@ def test_token_counts_of_a_whole_forward_are_exchanged_in_one_collective(monkeyp
     assert fake.calls == []
     for i, layer in enumerate(reversed(layers)):  # backward runs in reverse
         assert layer._counts(13 - i, torch.device("cpu")) == [13 - i, 13 - i]
-    assert fake.calls == [((4,), "tokens")]
-    assert [layer.bytes_sent for layer in layers] == [8] * 4
+    assert fake.calls == [((1,), "tokens"), ((4,), "tokens")]  # how many, then the counts
+    assert [layer.bytes_sent for layer in layers] == [16, 8, 8, 8]  # the queue's length: the first call's
     layers[2].announce(12)  # a checkpointed segment, recomputed
     assert layers[2]._counts(12, torch.device("cpu")) == [12, 12]
     assert layers[1]._counts(11, torch.device("cpu")) == [11, 11]
-    assert fake.calls == [((4,), "tokens"), ((1,), "tokens")]
+    assert fake.calls[2:] == [((1,), "tokens"), ((1,), "tokens")]
+
+
+def test_ranks_with_different_fused_calls_get_an_error_not_a_hang(monkeypatch):
+    from forge_hf import distributed
+
+    def all_gather_into_tensor(out, inp, group=None, async_op=False):  # the other rank: one call more
+        out.copy_(torch.cat([inp, inp + 1]))
+
+    monkeypatch.setattr(distributed.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    layer = two_rank_gather()
+    layer.announce(10)
+    with pytest.raises(RuntimeError, match=r"different numbers of fused forward calls .*\[1, 2\].*same order"):
+        layer._counts(10, torch.device("cpu"))
 
 
 def test_updated_rows_travel_on_their_own_process_group(monkeypatch):
