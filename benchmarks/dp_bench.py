@@ -27,12 +27,11 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from transformers import AutoModelForCausalLM
 
 import forge_hf
 from forge_hf.distributed import enable_data_parallel, row_band
 from forge_hf.optim import fused_layers
-from models import SHAPES, apply_liger
+from models import SHAPES, build_model
 from timing import profile_steps, step_times, summary
 
 ARMS = ("forge_dp", "ddp_fused_adamw", "fsdp2_fused_adamw")
@@ -63,19 +62,12 @@ def setup(opts):
 
 
 def build(opts, name, dtype):
-    """models.build_model's construction with --tiny / --layers applied to the config
-    (built here so that models.py stays as it is)."""
-    cls, kw = SHAPES[name]
-    kw = dict(kw, **(TINY if opts.tiny else {}))
+    """models.build_model with --tiny / --layers applied to the config; the same seed on
+    every rank and in the single process, so all start from the same weights."""
+    overrides = dict(TINY) if opts.tiny else {}
     if opts.layers:
-        kw["num_hidden_layers"] = opts.layers
-    torch.manual_seed(0)  # every rank and the single process start from the same weights
-    with torch.device(opts.dev):
-        model = AutoModelForCausalLM.from_config(cls(**kw, attn_implementation="sdpa"), dtype=dtype)
-    if opts.liger:
-        apply_liger(model)
-    model.train()
-    return model
+        overrides["num_hidden_layers"] = opts.layers
+    return build_model(name, device=opts.dev, dtype=dtype, seed=0, liger=opts.liger, **overrides)
 
 
 def global_batch(opts, step, size, vocab):

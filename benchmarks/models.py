@@ -37,11 +37,13 @@ def apply_liger(model) -> None:
                                    fused_linear_cross_entropy=False, model=model)
 
 
-def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", seed=0, liger=False):
+def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", seed=0, liger=False,
+                **overrides):
+    """``overrides``: config fields to change (a dry-run size, fewer layers)."""
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}: choose one of {sorted(SHAPES)}")
     cls, kw = SHAPES[name]
-    config = cls(**kw, attn_implementation=attn)
+    config = cls(**{**kw, **overrides}, attn_implementation=attn)
     torch.manual_seed(seed)
     with torch.device(device):  # initialise on the GPU: seconds, not minutes, for 8B
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -13,6 +13,7 @@ needs no torch twin.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .codecs import QuantisedSlot, uniform
@@ -145,8 +146,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 continue
             part = torch.stack([s.to(self._device) for s in stats]).sum(0)
             if stats is bands:
-                import torch.distributed as dist
-
                 dist.all_reduce(part)
             totals += part
             torch._foreach_zero_(stats)
