@@ -25,21 +25,23 @@ SHAPES = {
 }
 
 
-def apply_liger(model) -> None:
+def apply_liger(model, cross_entropy=True) -> None:
     """Liger's RMSNorm, SwiGLU and RoPE kernels on ``model`` (they save less for backward)
     and its cross-entropy (the logits' gradient written in place of the logits; Liger sets
-    it process-wide, for every model built later). Not its fused linear cross-entropy: the
-    logits' head stays an ordinary linear that forge can fuse."""
+    it process-wide, for every model built later; it reads a count on the host, so a CUDA
+    graph cannot capture it). Not its fused linear cross-entropy: the logits' head stays
+    an ordinary linear that forge can fuse."""
     import liger_kernel.transformers as liger
 
     apply = {"llama": liger.apply_liger_kernel_to_llama, "qwen3": liger.apply_liger_kernel_to_qwen3}
-    apply[model.config.model_type](rope=True, rms_norm=True, swiglu=True, cross_entropy=True,
+    apply[model.config.model_type](rope=True, rms_norm=True, swiglu=True, cross_entropy=cross_entropy,
                                    fused_linear_cross_entropy=False, model=model)
 
 
 def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", seed=0, liger=False,
-                **overrides):
-    """``overrides``: config fields to change (a dry-run size, fewer layers)."""
+                liger_ce=True, **overrides):
+    """``liger``: Liger's kernels (``liger_ce``: its cross-entropy too). ``overrides``: config
+    fields to change (a dry-run size, fewer layers)."""
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}: choose one of {sorted(SHAPES)}")
     cls, kw = SHAPES[name]
@@ -48,6 +50,6 @@ def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", see
     with torch.device(device):  # initialise on the GPU: seconds, not minutes, for 8B
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if liger:
-        apply_liger(model)
+        apply_liger(model, cross_entropy=liger_ce)
     model.train()
     return model

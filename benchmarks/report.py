@@ -21,7 +21,10 @@ def summarize(results):
     """One row per (model, cell, arm): medians over rounds."""
     groups = defaultdict(list)
     for r in results:
-        arm = r["arm"] + (" +checkpointing" if r.get("checkpointing") else "") + (" +liger" if r.get("liger") else "")
+        arm = (r["arm"] + (" +checkpointing" if r.get("checkpointing") else "")
+               + (" +liger" if r.get("liger") else "") + (" (no liger CE)" if r.get("liger_ce") is False else "")
+               + (" +swiglu recompute" if r.get("recompute_swiglu") else "")
+               + (" +chunked loss" if r.get("loss") == "chunked" else ""))
         groups[(r["model"], f'{r["batch"]}x{r["seq"]}', arm)].append(r)
     rows = []
     for (model, cell, arm), rs in groups.items():

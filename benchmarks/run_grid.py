@@ -24,6 +24,9 @@ from timing import profile_steps, step_times, summary
 
 ARMS = ["adamw_foreach", "adamw_fused", "grad_release_fused", "forge_fp32", "forge_bf16", "forge_int8",
         "bnb_adamw8bit"]
+# the whole step replayed as one CUDA graph (forge_hf.GraphedStep; torch's fused AdamW with
+# capturable=True, captured the way torch.cuda.graphs documents)
+GRAPHED_ARMS = ["adamw_fused_graphed", "forge_bf16_graphed", "forge_int8_graphed"]
 LR = 1e-5
 PROFILE = True  # --no-profile: skip the 3 profiled steps
 
@@ -53,7 +56,34 @@ class GradRelease:
         pass
 
 
-def make_optimizer(arm, model):
+class TorchGraphedStep:
+    """Forward, backward and a capturable fused AdamW step, captured on the second call."""
+
+    def __init__(self, model, opt, loss_fn):
+        self.model, self.opt, self.loss_fn, self.graph = model, opt, loss_fn, None
+
+    def __call__(self, batch):
+        if self.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture stream
+                self.loss_fn(self.model, batch).backward()
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+            torch.cuda.current_stream().wait_stream(side)
+            self.inputs = {k: v.clone() for k, v in batch.items()}
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.loss_fn(self.model, self.inputs).backward()
+                self.opt.step()
+        for k, v in batch.items():
+            self.inputs[k].copy_(v)
+        self.graph.replay()
+
+
+def make_optimizer(arm, model, recompute_swiglu=False):
+    if arm == "adamw_fused_graphed":
+        return _torch_adamw(model, fused=True, capturable=True)
     if arm == "adamw_foreach":
         return _torch_adamw(model, foreach=True)
     if arm == "adamw_fused":
@@ -63,44 +93,63 @@ def make_optimizer(arm, model):
     if arm.startswith("forge_"):
         import forge_hf
 
-        forge_hf.patch_model(model, optimizer="adamw", state_precision=arm.split("_", 1)[1], lr=LR,
+        forge_hf.patch_model(model, optimizer="adamw", state_precision=arm.split("_")[1], lr=LR,
                              weight_decay=0.01)
+        if recompute_swiglu:
+            forge_hf.recompute_swiglu(model)
         return forge_hf.ForgeOptimizer(model, lr=LR, weight_decay=0.01)
     if arm == "bnb_adamw8bit":
         import bitsandbytes as bnb  # only when its wheel is present
 
         return bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.01)
-    raise ValueError(f"unknown arm {arm!r}: choose from {ARMS}")
+    raise ValueError(f"unknown arm {arm!r}: choose from {ARMS + GRAPHED_ARMS}")
 
 
-def run_cell(model_name, arm, batch, seq, warmup, steps, checkpointing=False, liger=False):
+def hf_loss(model, batch):
+    return model(**batch).loss
+
+
+def run_cell(model_name, arm, batch, seq, opts):
+    """One arm on one (model, batch x seq) cell; ``opts``: the command line's options."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    result = dict(model=model_name, arm=arm, batch=batch, seq=seq, checkpointing=checkpointing, liger=liger)
-    model = opt = None
+    result = dict(model=model_name, arm=arm, batch=batch, seq=seq, checkpointing=opts.checkpointing,
+                  liger=opts.liger, loss=opts.loss)
+    if opts.liger and opts.no_liger_ce:
+        result["liger_ce"] = False
+    if opts.recompute_swiglu and arm.startswith("forge_"):
+        result["recompute_swiglu"] = True
+    result["allocated_at_start_gib"] = torch.cuda.memory_allocated() / 2**30  # what earlier cells left
+    model = opt = graphed = None
+    peaks = []  # a graphed arm's peaks before its last reset of the statistics
     try:
+        import forge_hf
+
+        loss_fn = forge_hf.causal_lm_loss if opts.loss == "chunked" else hf_loss
         gib = lambda: torch.cuda.memory_allocated() / 2**30
-        model = build_model(model_name, liger=liger)
+        model = build_model(model_name, liger=opts.liger, liger_ce=not opts.no_liger_ce)
         result["params"] = sum(p.numel() for p in model.parameters())
-        if checkpointing:  # activations recomputed in backward: the peak is weights and states
+        if opts.checkpointing:  # activations recomputed in backward: the peak is weights and states
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # initialising weights on the GPU has its own transients (fp32 temporaries of the
         # largest tensors); training's peak is counted from the built model on
         result["build_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
         phases = {"model": gib()}
-        opt = make_optimizer(arm, model)
+        opt = make_optimizer(arm, model, opts.recompute_swiglu)
         phases["optimizer"] = gib()
         gen = torch.Generator(device="cuda").manual_seed(0)
         data = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda", generator=gen)
 
+        inputs = dict(input_ids=data, labels=data)
+
         def step():
-            model(input_ids=data, labels=data).loss.backward()
+            loss_fn(model, inputs).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         # where the memory goes, on the first step (states are allocated lazily)
-        loss = model(input_ids=data, labels=data).loss
+        loss = loss_fn(model, inputs)
         phases["after_forward"] = gib()
         loss.backward()
         phases["after_backward"] = gib()
@@ -110,20 +159,39 @@ def run_cell(model_name, arm, batch, seq, warmup, steps, checkpointing=False, li
         phases["after_step"] = gib()
         del loss
         result["memory_phases_gib"] = phases
-        for _ in range(warmup - 1):
+        if arm.endswith("_graphed"):
+            graphed = (TorchGraphedStep(model, opt, loss_fn) if arm.startswith("adamw") else
+                       forge_hf.GraphedStep(model, opt, loss_fn, warmup_steps=1))
+            step = lambda: graphed(inputs)  # noqa: E731
+            # the graphed step's own warm-up and capture: where its peak is set
+            peaks = [torch.cuda.max_memory_allocated() / 2**30]  # the first eager step's
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            phases["peak_graph_warmup"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            phases["peak_capture_and_replay"] = torch.cuda.max_memory_allocated() / 2**30
+            phases["after_capture"] = gib()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            phases["peak_replay"] = torch.cuda.max_memory_allocated() / 2**30
+            peaks += [phases["peak_graph_warmup"], phases["peak_capture_and_replay"]]
+        for _ in range(opts.warmup - 1):
             step()
         torch.cuda.synchronize()
-        timing = summary(step_times(step, steps))
+        timing = summary(step_times(step, opts.steps))
         result.update(status="ok", **timing, tokens_per_s=batch * seq / (timing["step_ms"] / 1e3),
-                      peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                      peak_gib=max([torch.cuda.max_memory_allocated() / 2**30, *peaks]))
         if PROFILE:
             result.update(profile_steps(step))
     except torch.cuda.OutOfMemoryError:
-        result.update(status="OOM", peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        result.update(status="OOM", peak_gib=max([torch.cuda.max_memory_allocated() / 2**30, *peaks]))
     except (ImportError, ValueError) as e:  # no bitsandbytes wheel, or a precision not built yet
         result.update(status="unavailable", reason=f"{type(e).__name__}: {e}")
+    except RuntimeError as e:  # e.g. an operation a CUDA graph cannot capture: a result too
+        result.update(status="error", reason=f"{type(e).__name__}: {e}")
     finally:
-        del model, opt
+        model = opt = graphed = None  # the graphed step holds the model too: all before collecting
         gc.collect()
         torch.cuda.empty_cache()
     return result
@@ -141,6 +209,10 @@ def main():
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in every arm")
     ap.add_argument("--liger", action="store_true", help="Liger's kernels in every arm (models.apply_liger)")
+    ap.add_argument("--no-liger-ce", action="store_true", help="with --liger: not its cross-entropy (graphed arms)")
+    ap.add_argument("--recompute-swiglu", action="store_true", help="forge arms: forge_hf.recompute_swiglu")
+    ap.add_argument("--loss", choices=["hf", "chunked"], default="hf",
+                    help="every arm: the model's own loss, or forge_hf.causal_lm_loss (no fp32 logits)")
     opts = ap.parse_args()
     global PROFILE
     PROFILE = not opts.no_profile
@@ -152,7 +224,7 @@ def main():
             for r in range(opts.rounds):
                 for arm in (arms if r % 2 == 0 else arms[::-1]):
                     t0 = time.time()
-                    res = run_cell(model_name, arm, batch, seq, opts.warmup, opts.steps, opts.checkpointing, opts.liger)
+                    res = run_cell(model_name, arm, batch, seq, opts)
                     res.update(round=r, wall_s=time.time() - t0)
                     results.append(res)
                     print(json.dumps(res), flush=True)

@@ -103,6 +103,9 @@ class ForgeArguments:
     forge_data_parallel: str | None = field(
         default=None, metadata={"help": "Several processes: 'sharded' (each rank keeps the states of "
                                         "its weight rows; default) or 'replicated'."})
+    forge_recompute_swiglu: bool | None = field(
+        default=None, metadata={"help": "SwiGLU MLPs keep gate and up only and form their product again "
+                                        "in backward (forge_hf.recompute_swiglu): less activation memory."})
 
     def options(self) -> dict:
         """The set options, under patch_model's names (state_precision, rounding, ...)."""

@@ -9,7 +9,6 @@ scheduler can drive it. Its optimizer state lives with it (``forge_state``).
 from __future__ import annotations
 
 import os
-import struct
 import warnings
 import weakref
 
@@ -18,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .reference import mix32, reference_fused_update
-from .rules import NUM_SCALARS, get_rule, make_group
+from .rules import get_rule, make_group
 from .state import ForgeState, check_rounding
+from .step_args import pack_args, step_args  # noqa: F401 (pack_args: the kernels' tests and benchmarks)
 
 BACKENDS = ("auto", "triton", "reference")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -56,21 +56,6 @@ def layer_salt(seed: int, layer_index: int) -> int:
     return mix32((int(seed) & 0xFFFFFFFF) ^ mix32((layer_index * 0x9E3779B1 + 1) & 0xFFFFFFFF))
 
 
-def pack_args(scalars: list[float], step: int, salt: int, device: torch.device, row0: int = 0) -> torch.Tensor:
-    """The kernel's argument tensor: fp32 bit patterns of the constants, step, salt, and
-    the first row's index in the whole weight (a data-parallel band: the rounding bits of
-    an element depend on its place in the whole weight, not in the band)."""
-    words = [*struct.unpack(f"{len(scalars)}i", struct.pack(f"{len(scalars)}f", *scalars)),
-             *(_int32(v) for v in (step, salt, row0))]
-    return torch.tensor(words, dtype=torch.int32).to(device, non_blocking=True)  # one host tensor, one copy
-
-
-def _int32(value: int) -> int:
-    """The int32 holding ``value``'s low 32 bits."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
 def _in_this_backward(node) -> bool:
     """Whether the running backward will execute ``node`` (graph membership; under
     ``autograd.grad(inputs=...)`` also whether it is needed)."""
@@ -100,24 +85,32 @@ class FusedWeightFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        layer = ctx.layer
-        if getattr(ctx, "forge_stepped", False):
-            raise RuntimeError(
-                f"backward ran twice through {layer.forge_name}, whose weight was already stepped "
-                "in the first one (retain_graph=True?): exclude it from patch_model so its "
-                "gradient accumulates for an ordinary optimizer"
-            )
-        w = layer.forge_weight_view()
-        n_out, n_in = w.shape
-        # dX must be formed from the weight before this step's update (paper Remark 1).
-        dx = dy @ w.to(dy.dtype) if ctx.needs_input_grad[0] else None
-        dy2 = dy.reshape(-1, n_out)
-        db = dy2.float().sum(0).to(layer.bias.dtype) if ctx.needs_input_grad[2] else None
-        # The anchor's AccumulateGrad stands for the weight: not executed under
-        # autograd.grad(outputs, inputs) that leaves the weight out, so no step then.
-        if layer.weight.requires_grad and _in_this_backward(ctx.next_functions[1][0]):
-            ctx.forge_stepped = layer.forge_consume_gradient(x.reshape(-1, n_in), dy2, ctx)
+        dx, db = fused_backward(ctx, x, dy, anchor_index=1)
         return dx, None, db, None
+
+
+def fused_backward(ctx, x, dy, anchor_index):
+    """dX and db of ``ctx``'s layer for the output gradient ``dy``, and its weight stepped
+    with dY^T X: the backward of a fused Function whose inputs were (x, ..., anchor at
+    ``anchor_index``, bias, layer)."""
+    layer = ctx.layer
+    if getattr(ctx, "forge_stepped", False):
+        raise RuntimeError(
+            f"backward ran twice through {layer.forge_name}, whose weight was already stepped "
+            "in the first one (retain_graph=True?): exclude it from patch_model so its "
+            "gradient accumulates for an ordinary optimizer"
+        )
+    w = layer.forge_weight_view()
+    n_out, n_in = w.shape
+    # dX must be formed from the weight before this step's update (paper Remark 1).
+    dx = dy @ w.to(dy.dtype) if ctx.needs_input_grad[0] else None
+    dy2 = dy.reshape(-1, n_out)
+    db = dy2.float().sum(0).to(layer.bias.dtype) if ctx.needs_input_grad[anchor_index + 1] else None
+    # The anchor's AccumulateGrad stands for the weight: not executed under
+    # autograd.grad(outputs, inputs) that leaves the weight out, so no step then.
+    if layer.weight.requires_grad and _in_this_backward(ctx.next_functions[anchor_index][0]):
+        ctx.forge_stepped = layer.forge_consume_gradient(x.reshape(-1, n_in), dy2, ctx)
+    return dx, db
 
 
 class FusedWeightMixin:
@@ -278,12 +271,10 @@ class FusedWeightMixin:
             # the same band of the parameter itself: its columns when stored (in, out)
             param = param[:, start:stop] if self.forge_transposed else param[start:stop]
         state.allocate(param, group, transposed=self.forge_transposed)
-        scalars = rule.prepare(group, state.host)
-        assert len(scalars) == NUM_SCALARS
         device = self.weight.device
         if self.forge_stats.device != device:
             self.forge_stats = self.forge_stats.to(device)
-        args = pack_args(scalars, state.step, layer_salt(self.forge_seed, self.forge_layer_index), device, start)
+        args = step_args(rule, group, state, layer_salt(self.forge_seed, self.forge_layer_index), device, start)
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
             run = resolve_backend(self.forge_backend, device)
             run(x2, dy2, weight, state.kernel_slots(), args, self.forge_stats,
@@ -301,19 +292,25 @@ class FusedWeightMixin:
         return self.forge_enabled and self.training and torch.is_grad_enabled() and self.weight.requires_grad
 
     def forge_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forge_apply(FusedWeightFunction, x)
+
+    def forge_apply(self, function, *inputs: torch.Tensor) -> torch.Tensor:
+        """``function.apply(*inputs, anchor, bias, self)``: a fused Function whose first
+        input has the layer's tokens along its leading dimensions."""
         anchor = self.__dict__.get("_forge_anchor")
         if anchor is None or anchor.device != self.weight.device:
             anchor = self._forge_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
         dp = self.__dict__.get("forge_dp")
         if dp is not None:
+            x = inputs[0]
             dp.announce_tokens(x.numel() // max(x.shape[-1], 1))
-        dev = x.device.type
+        dev = inputs[0].device.type
         if torch.is_autocast_enabled(dev):
             # autocast does not reach inside a custom Function: cast as it would for linear
-            x = x.to(torch.get_autocast_dtype(dev))
+            inputs = [t.to(torch.get_autocast_dtype(dev)) for t in inputs]
             with torch.autocast(dev, enabled=False):
-                return FusedWeightFunction.apply(x, anchor, self.bias, self)
-        return FusedWeightFunction.apply(x, anchor, self.bias, self)
+                return function.apply(*inputs, anchor, self.bias, self)
+        return function.apply(*inputs, anchor, self.bias, self)
 
     @classmethod
     def forge_adopt(cls, module: nn.Module, **forge_options):

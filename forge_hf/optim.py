@@ -17,10 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .codecs import QuantisedSlot, uniform
-from .linear import FusedWeightMixin, layer_salt, pack_args, resolve_backend
+from .linear import FusedWeightMixin, layer_salt, resolve_backend
 from .reference import RULE_UPDATES, random_bits, reference_fused_update, round_to_bf16
 from .rules import get_rule, make_group
 from .state import ForgeState
+from .step_args import step_args
 
 # Trainer.get_decay_parameter_names (transformers 5.x): no weight decay for biases and norms.
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -183,12 +184,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         transposed = layer.forge_transposed if layer is not None else None
         state.allocate(p, group, transposed=transposed)
         w, g = (p.t(), p.grad.t()) if transposed else (p, p.grad)
-        # fp32 constants, as the kernels receive them (linear.pack_args); the step counts
-        # even when the gradient is skipped, as for a fused layer whose tiles all are
-        scalars = self.rule.prepare(group, state.host)
+        # the step counts even when the gradient is skipped, as for a fused layer whose
+        # tiles all are
         slots = state.kernel_slots()
         if self._kernel:
-            return self._step_with_kernel(p, w, g, slots, scalars, state.step)
+            return self._step_with_kernel(p, w, g, slots, step_args(self.rule, group, state, self._salt[p], p.device))
+        scalars = self.rule.prepare(group, state.host)  # fp32 constants, as the kernels receive them
         consts = torch.tensor(scalars, dtype=torch.float32).to(p.device).unbind()
         ok = torch.isfinite(g).all()
         if any(isinstance(s, QuantisedSlot) for s in slots) and not ok:
@@ -208,7 +209,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             sq += self._step_rows(p, w2, g2[rows].float(), plain, rows, consts, ok, state.step)
         return torch.where(ok, sq, 0.0), (~ok).float()
 
-    def _step_with_kernel(self, p, w, g, slots, scalars, step):
+    def _step_with_kernel(self, p, w, g, slots, args):
         """The fused kernel's rule and store on an existing gradient. A non-finite tile is
         skipped and counted tile by tile, as in a fused layer."""
         from .kernels.fused_update import launch_rule_step
@@ -219,7 +220,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
             w, g = w.view(1, -1), g.reshape(1, -1)
             slots = [None if s is None else s.view(1, -1) for s in slots]
         stats = torch.zeros(2, dtype=torch.float32, device=p.device)
-        args = pack_args(scalars, step, self._salt[p], p.device)
         launch_rule_step(g, w.data, slots, args, stats, self.rule.name, self.stochastic)
         return stats[0], stats[1]
 

@@ -18,6 +18,7 @@ from transformers.training_args import OptimizerNames
 from .distributed import MODES, enable_data_parallel
 from .optim import ForgeOptimizer, fused_layers
 from .patch import patch_model
+from .swiglu import recompute_swiglu
 from .rules import RULES, Rule
 
 PREFIX = "forge_"
@@ -26,7 +27,7 @@ OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_n
 # optim_args keys that configure patch_model / ForgeOptimizer rather than the rule, and
 # how their text is read; patch_model's defaults apply to those not given.
 OPTION_TYPES = dict(state_precision=str, rounding=str, backend=str, include=list, exclude=list,
-                    min_params=int, stop_on_nonfinite=bool, data_parallel=str)
+                    min_params=int, stop_on_nonfinite=bool, data_parallel=str, recompute_swiglu=bool)
 
 
 def rule_name(optim) -> str | None:
@@ -92,6 +93,7 @@ class ForgeOptions:
     patch: dict = field(default_factory=dict)  # patch_model options given (state_precision, ...)
     stop_on_nonfinite: bool = False
     data_parallel: str = "sharded"  # several processes: forge_hf.distributed's mode
+    recompute_swiglu: bool = False  # forge_hf.recompute_swiglu after patching
 
 
 def _convert(key: str, text: str, kind: type):
@@ -150,7 +152,8 @@ def forge_options(args) -> ForgeOptions:
     mode = options.pop("data_parallel", "sharded")
     if mode not in MODES:
         raise ValueError(f"optim_args data_parallel={mode!r} is not a mode: use one of {list(MODES)}")
-    return ForgeOptions(name, hyperparameters, options, stop, mode)
+    recompute = options.pop("recompute_swiglu", False)
+    return ForgeOptions(name, hyperparameters, options, stop, mode, recompute)
 
 
 # ------------------------------------------------------------------ guards
@@ -259,6 +262,8 @@ class ForgeTrainerMixin:
                         "above gives each module's reason): add min_params=0 to optim_args to fuse small "
                         "layers, widen include/exclude, or use an ordinary optim such as adamw_torch"
                     )
+                if o.recompute_swiglu:
+                    recompute_swiglu(model)
             if self.args.world_size > 1:  # before accelerate wraps the model in DDP
                 enable_data_parallel(model, mode=o.data_parallel)
             decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included

@@ -145,10 +145,12 @@ def test_duplicate_key_and_non_mapping(tmp_path):
 def test_command_line_overrides_win(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path), ["--learning_rate", "1e-5", "--max_steps", "7",
                                                   "--forge_include", "q_proj", "v_proj",
-                                                  "--forge_stop_on_nonfinite", "true"])
+                                                  "--forge_stop_on_nonfinite", "true",
+                                                  "--forge_recompute_swiglu", "true"])
     assert (recipe.training.learning_rate, recipe.training.max_steps) == (1e-5, 7)
     options = forge_options(recipe.training)
     assert options.patch["include"] == ["q_proj", "v_proj"] and options.stop_on_nonfinite
+    assert options.recompute_swiglu and "recompute_swiglu" not in options.patch
 
 
 @pytest.mark.parametrize("overrides,fragment", [

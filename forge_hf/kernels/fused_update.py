@@ -241,6 +241,11 @@ def _launch(grid, positional, constexprs, num_warps, num_stages) -> None:
     # one device per launch (a compiled kernel is loaded on one): the first tensor's
     key = (positional[0].device, _specialisation(positional), tuple(constexprs.items()), num_warps, num_stages)
     compiled = _COMPILED.get(key)
+    if compiled is None and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"a fused-kernel variant ({tuple(constexprs.items())[:6]}...) is first needed while a CUDA graph "
+            "is captured, where it cannot be compiled: run an eager step with the same model, shapes and "
+            "dtypes before capturing (GraphedStep's warmup_steps)")
     if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
         _COMPILED[key] = fused_update_kernel[grid](*positional, **constexprs, **options)
         return

@@ -1,0 +1,143 @@
+"""A whole training step of a patched model replayed as one CUDA graph.
+
+A forge step launches a few hundred small kernels from Python inside backward; at batch
+sizes that fit a big model on one GPU the host cannot queue them as fast as the GPU runs
+them. Captured once, the step (forward, backward with the fused updates, and
+``ForgeOptimizer.step``) replays with one launch. What changes from step to step comes in
+through tensors the graph reads: the batch (copied into the captured inputs) and every
+launch's arguments (``step_args.ArgsTable``: learning rate, bias corrections, step count,
+refreshed on the host before each replay). A replayed step computes exactly what the
+eager step computes.
+
+    step = GraphedStep(model, optimizer)
+    for batch in batches:          # every batch the same shapes (packed sequences)
+        loss = step(batch)         # a 0-dim tensor; .item() when you want to print it
+        scheduler.step()
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .loss import causal_lm_loss
+from .optim import ForgeOptimizer, fused_layers
+from .step_args import ArgsTable
+
+
+def check_batch(captured: dict, batch: dict) -> None:
+    """A replay reads the captured input tensors: a batch must match them key for key,
+    in shape, dtype and device."""
+    if set(batch) != set(captured):
+        raise ValueError(f"the step was captured with batch keys {sorted(captured)}, this batch has "
+                         f"{sorted(batch)}: give every step the same keys")
+    for key, value in batch.items():
+        ref = captured[key]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"batch[{key!r}] is a {type(value).__name__}: a graphed step takes tensors only")
+        if (value.shape, value.dtype, value.device) != (ref.shape, ref.dtype, ref.device):
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(value.shape)}, {value.dtype} on {value.device}; the step "
+                f"was captured with {tuple(ref.shape)}, {ref.dtype} on {ref.device}: pad or pack every "
+                "batch to one shape (a fixed sequence length, drop_last=True), or train eagerly")
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One warm-up stream per device for every GraphedStep: libraries cache per-stream
+    state (cuBLAS its workspace), which a new stream per step would pile up."""
+    return torch.cuda.Stream(device)
+
+
+class GraphedStep:
+    """``GraphedStep(model, optimizer, loss_fn=causal_lm_loss, warmup_steps=2)``.
+
+    ``loss_fn(model, batch)`` returns the loss; the default is ``loss.causal_lm_loss``
+    (Hugging Face's causal-LM loss without its fp32 copy of the logits, and without a read
+    on the host). The model's own path must not read the GPU on the host or copy host
+    tensors to it either: SDPA or flash attention without a padding mask is fine, eager
+    attention (its mask comes from the host) is not.
+
+    The first ``warmup_steps`` calls are ordinary eager steps (they compile the kernels and
+    allocate the optimizer state); the next call captures the step and every call from then
+    on replays it. Each call is one training step on its batch, warm-up included. Gradient
+    clipping and accumulation are not part of a forge step, so nothing else runs between
+    backward and ``optimizer.step()``. Changing a learning rate (a scheduler) needs no new
+    capture; changing the model or the optimizer's param groups does: build a new
+    GraphedStep.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: ForgeOptimizer,
+                 loss_fn: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss, warmup_steps: int = 2):
+        if not isinstance(optimizer, ForgeOptimizer):
+            raise TypeError(f"GraphedStep needs the model's ForgeOptimizer, got {type(optimizer).__name__}")
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps}: at least one eager step must compile the kernels "
+                             "and allocate the states before a capture")
+        sharded = [name for name, m in fused_layers(model).items() if m.__dict__.get("forge_dp") is not None]
+        if sharded:
+            raise ValueError(f"{sharded[0]} (and {len(sharded) - 1} more) step in data-parallel mode, whose "
+                             "token exchange reads counts on the host: graphed steps are single-GPU only")
+        if optimizer.stop_on_nonfinite:
+            raise ValueError("stop_on_nonfinite=True reads a count on the host inside step(), which a graph "
+                             "cannot: check optimizer.pop_nonfinite_tiles() between steps instead")
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise RuntimeError(f"the model is on {device}: CUDA graphs need a CUDA device; call the "
+                               "eager step (loss.backward(); optimizer.step()) elsewhere")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.warmup_steps = int(warmup_steps)
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.table: ArgsTable | None = None
+        self.inputs: dict = {}
+        self.loss: torch.Tensor | None = None
+        self._device = device
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        if self.graph is None and self.calls < self.warmup_steps:
+            loss = self._eager(batch)
+        else:
+            if self.graph is None:
+                self._capture(batch)
+            check_batch(self.inputs, batch)
+            for key, value in batch.items():
+                self.inputs[key].copy_(value, non_blocking=True)
+            self.table.refresh()
+            self.graph.replay()
+            loss = self.loss.clone()  # the next replay overwrites the captured loss
+        self.calls += 1
+        return loss
+
+    def _eager(self, batch: dict) -> torch.Tensor:
+        # on a side stream, as before any capture (torch.cuda.graphs' warm-up rule)
+        side = _side_stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            loss = self.loss_fn(self.model, batch)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = loss.detach()
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        return loss
+
+    def _capture(self, batch: dict) -> None:
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"batch[{key!r}] is a {type(value).__name__}: a graphed step takes tensors only")
+        self.inputs = {key: value.clone() for key, value in batch.items()}
+        capacity = sum(len(group["params"]) for group in self.optimizer.param_groups)
+        table = ArgsTable(capacity, self._device)
+        self.optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self._device)
+        with table.recording(), torch.cuda.graph(graph):
+            loss = self.loss_fn(self.model, self.inputs)
+            loss.backward()
+            self.optimizer.step()
+            self.loss = loss.detach()
+        self.graph, self.table = graph, table

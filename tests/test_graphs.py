@@ -1,0 +1,298 @@
+"""GraphedStep: a training step replayed as one CUDA graph computes what the eager step
+computes. On CPU: the argument table's host work (counters, learning rates, errors) and
+the input checks; on a GPU: graphed against eager training, bit for bit."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import forge_hf
+from forge_hf.graphs import GraphedStep, check_batch
+from forge_hf.loss import causal_lm_loss
+from forge_hf.rules import get_rule, make_group
+from forge_hf.state import ForgeState
+from forge_hf.step_args import ARGS_LEN, ArgsTable, pack_args, step_args
+
+VOCAB, SEQ = 96, 24
+
+
+def _states(rule, n):
+    return [ForgeState(rule, "fp32") for _ in range(n)]
+
+
+@pytest.mark.parametrize("rule_name", ["adamw", "nadam"])
+def test_the_table_holds_the_eager_arguments_step_after_step(rule_name):
+    """Rows recorded in a capture, refreshed before each replay, equal the arguments the
+    eager step packs: same counters (NAdam's running product too), the current lr."""
+    rule = get_rule(rule_name)
+    group = make_group(rule, dict(lr=1e-3, weight_decay=0.1))
+    eager, captured = _states(rule, 3), _states(rule, 3)
+    table = ArgsTable(capacity=5, device="cpu")
+    with table.recording():
+        rows = [step_args(rule, group, s, salt=11 * i, device="cpu", row0=i) for i, s in enumerate(captured)]
+    assert [s.step for s in captured] == [0, 0, 0]  # a capture runs no step
+    assert all(r.data_ptr() == table.device_rows[i].data_ptr() for i, r in enumerate(rows))
+    assert all(r.data_ptr() % 16 == 0 for r in rows)  # as fresh tensors: the same compiled kernels
+    for step in range(1, 5):
+        group["lr"] = 1e-3 / step  # a scheduler between steps
+        table.refresh()
+        for i, (s, row) in enumerate(zip(eager, rows)):
+            expected = step_args(rule, group, s, salt=11 * i, device="cpu", row0=i)
+            assert torch.equal(row, expected), f"step {step}, row {i}"
+        assert [s.step for s in captured] == [step] * 3
+        assert [s.host for s in captured] == [s.host for s in eager]
+
+
+def test_a_bad_hyperparameter_at_refresh_moves_no_counter():
+    rule = get_rule("adamw")
+    good, bad = make_group(rule, dict(lr=1e-3)), make_group(rule, dict(lr=1e-3))
+    states = _states(rule, 2)
+    table = ArgsTable(capacity=2, device="cpu")
+    with table.recording():
+        step_args(rule, good, states[0], 1, "cpu")
+        step_args(rule, bad, states[1], 2, "cpu")
+    table.refresh()
+    bad["betas"] = (0.3, 0.999)
+    with pytest.raises(ValueError, match="0.7"):
+        table.refresh()
+    assert [s.step for s in states] == [1, 1]  # neither moved: the step was not run
+    bad["betas"] = (0.9, 0.999)
+    table.refresh()
+    assert [s.step for s in states] == [2, 2]
+
+
+def test_the_table_refuses_more_rows_than_its_capacity_and_nested_captures():
+    rule = get_rule("adamw")
+    group, (state,) = make_group(rule, {}), _states(rule, 1)
+    table = ArgsTable(capacity=1, device="cpu")
+    with table.recording():
+        step_args(rule, group, state, 0, "cpu")
+        with pytest.raises(RuntimeError, match="more than 1 rule steps"):
+            step_args(rule, group, state, 0, "cpu")
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with ArgsTable(1, "cpu").recording():
+                pass
+    assert table.device_rows.shape == (1, ARGS_LEN)
+    # outside a capture the eager path is back
+    assert torch.equal(step_args(rule, group, state, 0, "cpu"), pack_args(rule.prepare(group, dict(state.host, step=0)), 1, 0, "cpu"))
+
+
+def test_a_batch_must_match_the_captured_inputs():
+    captured = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long)}
+    check_batch(captured, {"input_ids": torch.ones(2, SEQ, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"shape \(2, 20\).*captured with \(2, 24\).*pad or pack"):
+        check_batch(captured, {"input_ids": torch.zeros(2, 20, dtype=torch.long)})
+    with pytest.raises(ValueError, match="torch.int32"):
+        check_batch(captured, {"input_ids": torch.zeros(2, SEQ, dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"keys \['input_ids'\].*\['input_ids', 'labels'\]"):
+        check_batch(captured, {"input_ids": torch.zeros(2, SEQ, dtype=torch.long),
+                               "labels": torch.zeros(2, SEQ, dtype=torch.long)})
+    with pytest.raises(TypeError, match="list"):
+        check_batch(captured, {"input_ids": [[1, 2]]})
+
+
+def tiny_llama(seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).to(device)
+
+
+def patched(device, state_precision="bf16", dtype=torch.float32, **optimizer_options):
+    model = tiny_llama(device=device).to(dtype)
+    forge_hf.patch_model(model, optimizer="adamw", state_precision=state_precision, min_params=0, lr=1e-3,
+                         weight_decay=0.01)
+    return model, forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01, **optimizer_options)
+
+
+def test_graphed_step_refuses_what_it_cannot_replay():
+    model, opt = patched("cpu", state_precision="fp32")
+    with pytest.raises(TypeError, match="needs the model's ForgeOptimizer, got AdamW"):
+        GraphedStep(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="warmup_steps=0"):
+        GraphedStep(model, opt, warmup_steps=0)
+    with pytest.raises(RuntimeError, match="the model is on cpu: CUDA graphs need a CUDA device"):
+        GraphedStep(model, opt)
+    _, strict = patched("cpu", state_precision="fp32", stop_on_nonfinite=True)
+    with pytest.raises(ValueError, match="stop_on_nonfinite=True.*pop_nonfinite_tiles"):
+        GraphedStep(model, strict)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.__dict__["forge_dp"] = object()  # as enable_data_parallel leaves it
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj .*single-GPU only"):
+        GraphedStep(model, opt)
+
+
+# ------------------------------------------------------------------------ GPU
+# Under capture cuBLAS may pick other GEMM algorithms than eagerly (its workspace differs),
+# so a whole model's gradients can differ from eager ones in the last bits. The fused steps
+# themselves are checked bit for bit on layers whose inputs and output gradients do not
+# come from a GEMM; a whole Llama is checked against eager training within tolerances.
+
+SHAPES = [(70, 96, 33), (130, 200, 17), (33, 65, 40)]  # (out, in, tokens): no tile multiples
+
+
+class ParallelLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(k, n) for n, k, _ in SHAPES)
+
+    def forward(self, xs):
+        return [layer(x) for layer, x in zip(self.layers, xs)]
+
+
+def parallel_loss(model, batch):
+    """Each layer's output gradient is batch["c<i>"] exactly, whatever the GEMMs do."""
+    outs = model([batch[f"x{i}"] for i in range(len(SHAPES))])
+    return sum((out.float() * batch[f"c{i}"]).sum() for i, out in enumerate(outs))
+
+
+def parallel_batches(n, dtype):
+    gen = torch.Generator().manual_seed(5)
+    return [{**{f"x{i}": torch.randn(t, k, generator=gen).to("cuda", dtype) for i, (_, k, t) in enumerate(SHAPES)},
+             **{f"c{i}": torch.randn(t, m, generator=gen).cuda() for i, (m, _, t) in enumerate(SHAPES)}}
+            for _ in range(n)]
+
+
+def parallel_model(rule, state_precision, dtype):
+    torch.manual_seed(0)
+    model = ParallelLinears().cuda().to(dtype)
+    report = forge_hf.patch_model(model, optimizer=rule, state_precision=state_precision, min_params=0, lr=1e-2,
+                                  weight_decay=0.1)
+    assert len(report.fused) == 3
+    return model, forge_hf.ForgeOptimizer(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule,state_precision,dtype", [("adamw", "bf16", torch.bfloat16),
+                                                        ("adamw", "int8", torch.bfloat16),
+                                                        ("adamw", "fp32", torch.float32),
+                                                        ("nadam", "fp32", torch.float32)])
+def test_graphed_steps_equal_eager_steps_bit_for_bit(rule, state_precision, dtype):
+    """Seven steps (two eager warm-up, a capture, replays), the learning rate changed every
+    step: fused weights, biases (stepped by ForgeOptimizer) and states bit-identical."""
+    eager, eager_opt = parallel_model(rule, state_precision, dtype)
+    graphed, graphed_opt = parallel_model(rule, state_precision, dtype)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (eager_opt, graphed_opt)]
+    step = GraphedStep(graphed, graphed_opt, loss_fn=parallel_loss, warmup_steps=2)
+    for i, batch in enumerate(parallel_batches(7, dtype)):
+        parallel_loss(eager, batch).backward()
+        eager_opt.step()
+        eager_opt.zero_grad(set_to_none=True)
+        step(batch)
+        for s in scheds:
+            s.step()
+        # per-tile squared sums are added atomically, in any order
+        torch.testing.assert_close(graphed_opt.last_grad_norm, eager_opt.last_grad_norm, rtol=1e-5, atol=0)
+    assert step.graph is not None and step.calls == 7
+    for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert torch.equal(a, b), name
+    for a, b in zip(eager_opt.state_dict()["state"].values(), graphed_opt.state_dict()["state"].values()):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+
+
+@pytest.mark.gpu
+def test_a_wrong_batch_after_capture_is_refused_and_loses_nothing():
+    model, opt = parallel_model("adamw", "bf16", torch.bfloat16)
+    twin, twin_opt = parallel_model("adamw", "bf16", torch.bfloat16)
+    step = GraphedStep(model, opt, loss_fn=parallel_loss, warmup_steps=1)
+    batches = parallel_batches(3, torch.bfloat16)
+    for batch in batches[:2]:
+        step(batch)
+    counters = [s.step for s in opt.state.values()]
+    short = {k: v[:-1] for k, v in batches[2].items()}
+    with pytest.raises(ValueError, match="pad or pack"):
+        step(short)
+    assert [s.step for s in opt.state.values()] == counters
+    step(batches[2])
+    for batch in batches:
+        parallel_loss(twin, batch).backward()
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=True)
+    for a, b in zip(twin.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _batches(n, batch=2):
+    gen = torch.Generator().manual_seed(3)
+    return [{"input_ids": ids.cuda(), "labels": ids.cuda()}
+            for ids in (torch.randint(0, VOCAB, (batch, SEQ), generator=gen) for _ in range(n))]
+
+
+@pytest.fixture
+def deterministic_attention():
+    """SDPA's math backend (matmuls and a softmax): the fused attention kernels' backward
+    may add in any order. Without a padding mask SDPA needs no mask tensor (eager attention
+    copies one from the host, which a capture refuses)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic_attention")
+@pytest.mark.parametrize("state_precision,dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_graphed_llama_training_follows_eager_training(state_precision, dtype):
+    """A whole model: every step's loss, and each parameter's change over six steps, as in
+    eager training up to the GEMMs' rounding (a step missed, repeated or run with another
+    learning rate or step count changes the updates by far more than the tolerance)."""
+    eager, eager_opt = patched("cuda", state_precision, dtype)
+    graphed, graphed_opt = patched("cuda", state_precision, dtype)
+    start = [p.detach().clone() for p in eager.parameters()]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (eager_opt, graphed_opt)]
+    step = GraphedStep(graphed, graphed_opt, warmup_steps=2)
+    for i, batch in enumerate(_batches(6)):
+        loss = causal_lm_loss(eager, batch)
+        loss.backward()
+        eager_opt.step()
+        eager_opt.zero_grad(set_to_none=True)
+        graphed_loss = step(batch)
+        for s in scheds:
+            s.step()
+        torch.testing.assert_close(graphed_loss, loss.detach(), rtol=1e-3, atol=0, msg=f"loss of step {i}")
+    for (name, a), b, a0 in zip(eager.named_parameters(), graphed.parameters(), start):
+        moved = (a.float() - a0.float()).norm()
+        apart = (b.float() - a.float()).norm()
+        assert apart <= 0.05 * moved, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
+
+
+@pytest.mark.gpu
+def test_a_dropped_graphed_step_gives_its_memory_back():
+    """Model, states, captured inputs and the graph's pool all go with the last reference
+    (a first round warms what the process keeps for good: cuBLAS's workspace of the
+    warm-up stream, compiled kernels)."""
+    import gc
+
+    def train_and_drop():
+        model, opt = parallel_model("adamw", "bf16", torch.bfloat16)
+        step = GraphedStep(model, opt, loss_fn=parallel_loss, warmup_steps=1)
+        for batch in parallel_batches(3, torch.bfloat16):
+            step(batch)
+        torch.cuda.synchronize()
+
+    train_and_drop()
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    train_and_drop()
+    gc.collect()
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.gpu
+def test_a_kernel_first_needed_during_a_capture_is_refused_clearly():
+    from forge_hf.kernels.fused_update import launch_fused_update
+
+    w = torch.zeros(40, 24, device="cuda")  # fp32 weight, (32, 32, 32) tiles: a variant nothing ran
+    x, dy = torch.ones(8, 24, device="cuda"), torch.ones(8, 40, device="cuda")
+    rule = get_rule("adamw")
+    args = pack_args(rule.prepare(make_group(rule, {}), rule.host_init()), 1, 0, "cuda")
+    stats = torch.zeros(2, device="cuda")
+    slots = [torch.zeros_like(w), torch.zeros_like(w), None]
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="cannot be compiled: run an eager step"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            launch_fused_update(x, dy, w, slots, args, stats, "adamw", True, blocks=(32, 32, 32))
+    assert torch.all(w == 0)  # nothing ran

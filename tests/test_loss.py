@@ -1,0 +1,84 @@
+"""The chunked cross-entropy against float64 and against Hugging Face's loss: several
+blocks of rows with a partial last one, ignored targets, bf16 and fp32 logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from forge_hf.loss import ChunkedCrossEntropy, causal_lm_loss, cross_entropy
+from helpers import bf16_ulps_apart
+
+N, V = 10, 37
+
+
+def _logits_targets(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(N, V, generator=gen) * 3).to(dtype)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[[2, 7]] = -100
+    return logits, targets
+
+
+def _chunked(logits, targets, chunk_rows=3):
+    x = logits.clone().requires_grad_()
+    loss = ChunkedCrossEntropy.apply(x, targets, -100, chunk_rows)
+    loss.backward()
+    return loss, x.grad
+
+
+def test_fp32_logits_agree_with_float64_over_several_blocks():
+    logits, targets = _logits_targets(torch.float32)
+    loss, grad = _chunked(logits, targets)
+    ref = logits.double().requires_grad_()
+    ref_loss = F.cross_entropy(ref, targets, ignore_index=-100)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+    assert (grad.double() - ref.grad).abs().max() <= 1e-7  # entries are below 1/8 here
+    assert torch.all(grad[[2, 7]] == 0)
+
+
+def test_bf16_logits_get_huggingfaces_gradient_to_one_ulp():
+    logits, targets = _logits_targets(torch.bfloat16, seed=1)
+    loss, grad = _chunked(logits, targets)
+    hf = logits.clone().requires_grad_()
+    hf_loss = F.cross_entropy(hf.float(), targets, ignore_index=-100)
+    hf_loss.backward()
+    assert grad.dtype == torch.bfloat16
+    assert abs(loss.item() - hf_loss.item()) <= 1e-6 * abs(hf_loss.item())
+    assert bf16_ulps_apart(grad, hf.grad).max() <= 1
+
+
+def test_a_batch_without_targets_gives_zero_not_nan():
+    logits, _ = _logits_targets(torch.float32)
+    loss, grad = _chunked(logits, torch.full((N,), -100))
+    assert loss.item() == 0.0 and torch.all(grad == 0)
+
+
+def test_cross_entropy_checks_shapes_and_skips_the_trick_without_grad():
+    logits, targets = _logits_targets(torch.float32)
+    with pytest.raises(ValueError, match=r"logits of shape \(1, 10, 37\).*\(tokens, vocabulary\)"):
+        cross_entropy(logits[None], targets)
+    with torch.no_grad():
+        assert torch.equal(cross_entropy(logits, targets), F.cross_entropy(logits, targets))
+
+
+def test_causal_lm_loss_is_huggingfaces_loss():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 9))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    ours = causal_lm_loss(model, dict(input_ids=ids, labels=labels))
+    ours.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    theirs = model(input_ids=ids, labels=labels).loss
+    theirs.backward()
+    assert abs(ours.item() - theirs.item()) <= 1e-6 * theirs.item()
+    for g, p in zip(grads, model.parameters()):
+        assert (g - p.grad).abs().max() <= 1e-5 * p.grad.abs().max()
+    with pytest.raises(ValueError, match="no 'labels'"):
+        causal_lm_loss(model, dict(input_ids=ids))
