@@ -54,12 +54,14 @@ def tiny_parameters(name: str, tmp_path: Path) -> dict:
 
 
 def benchmark_results(tmp_path: Path) -> Path:
-    """The committed results, plus one made-up file of each other schema the notebook reads
-    (cells/arms, and one it must skip), so every branch runs."""
+    """The committed results and grid table, plus one made-up file of each other schema the
+    notebook reads (cells/arms, and one it must skip), so every branch runs."""
     out = tmp_path / "results"
     out.mkdir()
     for f in (ROOT / "benchmarks" / "results").glob("*.json"):
         (out / f.name).write_text(f.read_text())
+    for f in (ROOT / "benchmarks" / "results").glob("grid_h200.*"):  # report.py's table and plot
+        (out / f.name).write_bytes(f.read_bytes())
 
     def arms(scale):
         return {"torch_adamw_fused": {"step_ms": 140.0 * scale, "peak_gib": 59.9 * scale},
