@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .codecs import QuantisedSlot
 from .loss import causal_lm_loss
 from .optim import ForgeOptimizer, fused_layers
 from .step_args import ArgsTable
@@ -43,6 +44,21 @@ def check_batch(captured: dict, batch: dict) -> None:
                 f"batch[{key!r}] has shape {tuple(value.shape)}, {value.dtype} on {value.device}; the step "
                 f"was captured with {tuple(ref.shape)}, {ref.dtype} on {ref.device}: pad or pack every "
                 "batch to one shape (a fixed sequence length, drop_last=True), or train eagerly")
+
+
+def captured_addresses(model: nn.Module, optimizer: ForgeOptimizer) -> tuple:
+    """What a captured step reads and writes outside its own memory pool, by address: the
+    parameters, every optimizer-state tensor and the fused layers' statistics; and the
+    param-group dicts its argument table reads. A replay is only valid while these stay."""
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    for state in optimizer.state.values():
+        for slot in state.slots:
+            if isinstance(slot, QuantisedSlot):
+                ptrs += [slot.codes.data_ptr(), slot.meta.data_ptr()]
+            else:
+                ptrs.append(0 if slot is None else slot.data_ptr())
+    ptrs += [m.forge_stats.data_ptr() for m in fused_layers(model).values()]
+    return tuple(ptrs), tuple(id(g) for g in optimizer.param_groups)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,8 +82,8 @@ class GraphedStep:
     on replays it. Each call is one training step on its batch, warm-up included. Gradient
     clipping and accumulation are not part of a forge step, so nothing else runs between
     backward and ``optimizer.step()``. Changing a learning rate (a scheduler) needs no new
-    capture; changing the model or the optimizer's param groups does: build a new
-    GraphedStep.
+    capture; loading a checkpoint into the optimizer or moving the model does (a replay
+    checks and refuses): build a new GraphedStep.
     """
 
     def __init__(self, model: nn.Module, optimizer: ForgeOptimizer,
@@ -95,6 +111,7 @@ class GraphedStep:
         self.table: ArgsTable | None = None
         self.inputs: dict = {}
         self.loss: torch.Tensor | None = None
+        self.addresses: tuple = ()
         self._device = device
 
     def __call__(self, batch: dict) -> torch.Tensor:
@@ -103,6 +120,11 @@ class GraphedStep:
         else:
             if self.graph is None:
                 self._capture(batch)
+            elif captured_addresses(self.model, self.optimizer) != self.addresses:
+                raise RuntimeError(
+                    "the model's parameters, the optimizer's state tensors or its param groups were replaced "
+                    "since the step was captured (optimizer.load_state_dict, model.to, ...): the graph would "
+                    "write to memory they no longer own. Build a new GraphedStep after loading or moving.")
             check_batch(self.inputs, batch)
             for key, value in batch.items():
                 self.inputs[key].copy_(value, non_blocking=True)
@@ -141,3 +163,4 @@ class GraphedStep:
             self.optimizer.step()
             self.loss = loss.detach()
         self.graph, self.table = graph, table
+        self.addresses = captured_addresses(self.model, self.optimizer)

@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import forge_hf
-from forge_hf.graphs import GraphedStep, check_batch
+from forge_hf.graphs import GraphedStep, captured_addresses, check_batch
 from forge_hf.loss import causal_lm_loss
 from forge_hf.rules import get_rule, make_group
 from forge_hf.state import ForgeState
@@ -123,6 +123,26 @@ def test_graphed_step_refuses_what_it_cannot_replay():
     layer.__dict__["forge_dp"] = object()  # as enable_data_parallel leaves it
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj .*single-GPU only"):
         GraphedStep(model, opt)
+
+
+def test_the_captured_addresses_change_when_a_checkpoint_is_loaded(single_thread):
+    """A replay writes where the capture saw the states: loading a checkpoint allocates new
+    ones (and new param-group dicts), which the replay's check must notice."""
+    model, opt = patched("cpu", state_precision="int8")
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+
+    def train_step():
+        causal_lm_loss(model, dict(input_ids=ids, labels=ids)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    train_step()
+    before = captured_addresses(model, opt)
+    train_step()
+    assert captured_addresses(model, opt) == before  # a step writes in place
+    opt.load_state_dict(opt.state_dict())
+    after = captured_addresses(model, opt)
+    assert after[0] != before[0] and after[1] != before[1]
 
 
 # ------------------------------------------------------------------------ GPU
@@ -257,6 +277,22 @@ def test_graphed_llama_training_follows_eager_training(state_precision, dtype):
         moved = (a.float() - a0.float()).norm()
         apart = (b.float() - a.float()).norm()
         assert apart <= 0.05 * moved, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
+
+
+@pytest.mark.gpu
+def test_a_replay_after_loading_a_checkpoint_is_refused():
+    model, opt = parallel_model("adamw", "bf16", torch.bfloat16)
+    step = GraphedStep(model, opt, loss_fn=parallel_loss, warmup_steps=1)
+    batches = parallel_batches(4, torch.bfloat16)
+    for batch in batches[:2]:
+        step(batch)
+    opt.load_state_dict(opt.state_dict())
+    with pytest.raises(RuntimeError, match="Build a new GraphedStep"):
+        step(batches[2])
+    fresh = GraphedStep(model, opt, loss_fn=parallel_loss, warmup_steps=1)
+    fresh(batches[2])
+    fresh(batches[3])  # captures anew, on the loaded states
+    assert fresh.graph is not None
 
 
 @pytest.mark.gpu
