@@ -41,6 +41,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if getattr(ctx, "logits_overwritten", False):
+            raise RuntimeError("backward ran twice through forge_hf's cross-entropy (retain_graph=True?), whose "
+                               "first backward wrote the gradient over the logits: use "
+                               "torch.nn.functional.cross_entropy to differentiate the loss more than once")
+        ctx.logits_overwritten = True
         logits, safe, valid, lse, count = ctx.saved_tensors
         scale = torch.where(valid, grad / count, 0.0)
         for r0 in range(0, logits.shape[0], ctx.chunk_rows):

@@ -82,3 +82,14 @@ def test_causal_lm_loss_is_huggingfaces_loss():
         assert (g - p.grad).abs().max() <= 1e-5 * p.grad.abs().max()
     with pytest.raises(ValueError, match="no 'labels'"):
         causal_lm_loss(model, dict(input_ids=ids))
+
+
+def test_a_second_backward_is_refused_not_computed_from_overwritten_logits():
+    logits, targets = _logits_targets(torch.float32)
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, targets)
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    with pytest.raises(RuntimeError, match="backward ran twice.*retain_graph"):
+        loss.backward()
+    assert torch.equal(x.grad, first)  # nothing added
