@@ -53,19 +53,35 @@ def markdown(rows):
     return "\n".join(lines) + "\n"
 
 
+SHORT = [(" (no liger CE)", "-noCE"), (" +swiglu recompute", " +swiglu"), (" +chunked loss", " +lossC"),
+         (" +checkpointing", " +ckpt")]
+
+
+def short(arm: str) -> str:
+    """The arm's label, its options abbreviated for the plot's axis (the table keeps them whole)."""
+    for long, abbreviation in SHORT:
+        arm = arm.replace(long, abbreviation)
+    return arm
+
+
 def plot(rows, path):
     ok = [r for r in rows if r["status"] == "ok"]
     keys = sorted({(r["model"], r["cell"]) for r in ok})
-    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.2 * len(keys)), squeeze=False)
+    sizes = [sum((r["model"], r["cell"]) == key for r in ok) for key in keys]
+    fig, axes = plt.subplots(len(keys), 2, figsize=(14, 1.2 + 0.32 * sum(sizes) + 0.8 * len(keys)), squeeze=False,
+                             gridspec_kw=dict(height_ratios=[n + 2 for n in sizes]))
     for i, key in enumerate(keys):
         sel = [r for r in ok if (r["model"], r["cell"]) == key]
-        names = [r["arm"] for r in sel]
+        names = [short(r["arm"]) for r in sel]
         for j, (metric, label) in enumerate((("step_ms", "step time (ms)"), ("peak_gib", "peak memory (GiB)"))):
             ax = axes[i][j]
             ax.barh(names, [r[metric] for r in sel], color=["tab:red" if n.startswith("forge") else "tab:gray" for n in names])
+            ax.tick_params(axis="y", labelsize=8)
             ax.set_xlabel(label)
             ax.set_title(f"{key[0]}, batch x seq {key[1]}")
-    fig.tight_layout()
+    fig.text(0.01, 0.002, "-noCE: Liger without its cross-entropy; +swiglu: recompute_swiglu; +lossC: forge_hf."
+             "causal_lm_loss; +ckpt: activation checkpointing", fontsize=8)
+    fig.tight_layout(rect=(0, 0.01, 1, 1))
     fig.savefig(path, dpi=110)
 
 
