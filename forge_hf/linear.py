@@ -85,14 +85,14 @@ class FusedWeightFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        dx, db = fused_backward(ctx, x, dy, anchor_index=1)
+        dx, db = fused_backward(ctx, x, dy, anchor_index=1, need_dx=ctx.needs_input_grad[0])
         return dx, None, db, None
 
 
-def fused_backward(ctx, x, dy, anchor_index):
-    """dX and db of ``ctx``'s layer for the output gradient ``dy``, and its weight stepped
-    with dY^T X: the backward of a fused Function whose inputs were (x, ..., anchor at
-    ``anchor_index``, bias, layer)."""
+def fused_backward(ctx, x, dy, anchor_index, need_dx):
+    """dX (when ``need_dx``) and db of ``ctx``'s layer for the output gradient ``dy``, and
+    its weight stepped with dY^T X: the backward of a fused Function whose inputs were
+    (..., anchor at ``anchor_index``, bias, layer) and whose layer input is ``x``."""
     layer = ctx.layer
     if getattr(ctx, "forge_stepped", False):
         raise RuntimeError(
@@ -103,7 +103,7 @@ def fused_backward(ctx, x, dy, anchor_index):
     w = layer.forge_weight_view()
     n_out, n_in = w.shape
     # dX must be formed from the weight before this step's update (paper Remark 1).
-    dx = dy @ w.to(dy.dtype) if ctx.needs_input_grad[0] else None
+    dx = dy @ w.to(dy.dtype) if need_dx else None
     dy2 = dy.reshape(-1, n_out)
     db = dy2.float().sum(0).to(layer.bias.dtype) if ctx.needs_input_grad[anchor_index + 1] else None
     # The anchor's AccumulateGrad stands for the weight: not executed under

@@ -39,11 +39,10 @@ class SwiGLUDownFunction(torch.autograd.Function):
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         act = F.silu(gate)
-        d_product, db = fused_backward(ctx, act * up, dy, anchor_index=2)
-        d_gate = d_up = None
-        if d_product is not None:
-            d_up = d_product * act
-            d_gate = torch.ops.aten.silu_backward(d_product * up, gate)
+        need_gate, need_up = ctx.needs_input_grad[:2]
+        d_product, db = fused_backward(ctx, act * up, dy, anchor_index=2, need_dx=need_gate or need_up)
+        d_up = d_product * act if need_up else None
+        d_gate = torch.ops.aten.silu_backward(d_product * up, gate) if need_gate else None
         return d_gate, d_up, None, db, None
 
 

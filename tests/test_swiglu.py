@@ -53,6 +53,30 @@ def test_recomputed_swiglu_trains_bit_for_bit_as_autograd(dtype, backend, single
         assert torch.equal(a, b)
 
 
+def test_up_gets_its_gradient_when_gate_needs_none(single_thread):
+    """A frozen gate_proj on an input that needs no gradient: only up carries one back, and
+    up_proj is stepped as without the recompute."""
+    runs = []
+    for recompute in (False, True):
+        model = tiny_llama()
+        for name, p in model.named_parameters():  # everything up to layer 0's MLP, and its gate
+            if not name.startswith("model.layers.0.mlp") or "gate_proj" in name:
+                if name.startswith(("model.embed_tokens", "model.layers.0.")):
+                    p.requires_grad_(False)
+        forge_hf.patch_model(model, optimizer="adamw", state_precision="fp32", min_params=0, backend="reference",
+                             lr=1e-2)
+        if recompute:
+            recompute_swiglu(model)
+        opt = forge_hf.ForgeOptimizer(model)
+        ids = _ids(0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        runs.append(model.model.layers[0].mlp.up_proj.weight.detach().clone())
+    start = tiny_llama().model.layers[0].mlp.up_proj.weight
+    assert not torch.equal(runs[0], start)  # stepped
+    assert torch.equal(runs[0], runs[1])
+
+
 def _saved_bytes(model, ids) -> int:
     storages = {}
 
