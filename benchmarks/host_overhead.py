@@ -14,7 +14,7 @@ import torch
 
 import forge_hf
 from forge_hf.kernels.fused_update import fused_update_kernel, kernel_call, launch_fused_update
-from forge_hf.linear import pack_args
+from forge_hf.step_args import pack_args
 from forge_hf.rules import get_rule, make_group
 from forge_hf.state import ForgeState
 from models import build_model

@@ -15,8 +15,8 @@ import json
 import torch
 import triton
 
-from forge_hf.kernels.fused_update import ARGS_LEN, default_config, launch_fused_update
-from forge_hf.linear import pack_args
+from forge_hf.kernels.fused_update import default_config, launch_fused_update
+from forge_hf.step_args import ARGS_LEN, pack_args
 from forge_hf.rules import get_rule, make_group
 from forge_hf.state import STATE_PRECISIONS, ForgeState
 

@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from forge_hf.kernels.fused_update import launch_fused_update
-from forge_hf.linear import pack_args
+from forge_hf.step_args import pack_args
 from forge_hf.rules import get_rule, make_group
 from forge_hf.state import ForgeState
 

@@ -6,8 +6,9 @@ them. Captured once, the step (forward, backward with the fused updates, and
 ``ForgeOptimizer.step``) replays with one launch. What changes from step to step comes in
 through tensors the graph reads: the batch (copied into the captured inputs) and every
 launch's arguments (``step_args.ArgsTable``: learning rate, bias corrections, step count,
-refreshed on the host before each replay). A replayed step computes exactly what the
-eager step computes.
+refreshed on the host before each replay). The fused updates of a replay are those of the
+eager step, bit for bit, given the same inputs; the model's own matmuls may round
+differently under capture (cuBLAS chooses its algorithms with another workspace).
 
     step = GraphedStep(model, optimizer)
     for batch in batches:          # every batch the same shapes (packed sequences)
@@ -29,16 +30,21 @@ from .optim import ForgeOptimizer, fused_layers
 from .step_args import ArgsTable
 
 
+def check_tensors(batch: dict) -> None:
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"batch[{key!r}] is a {type(value).__name__}: a graphed step takes tensors only")
+
+
 def check_batch(captured: dict, batch: dict) -> None:
     """A replay reads the captured input tensors: a batch must match them key for key,
     in shape, dtype and device."""
     if set(batch) != set(captured):
         raise ValueError(f"the step was captured with batch keys {sorted(captured)}, this batch has "
                          f"{sorted(batch)}: give every step the same keys")
+    check_tensors(batch)
     for key, value in batch.items():
         ref = captured[key]
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"batch[{key!r}] is a {type(value).__name__}: a graphed step takes tensors only")
         if (value.shape, value.dtype, value.device) != (ref.shape, ref.dtype, ref.device):
             raise ValueError(
                 f"batch[{key!r}] has shape {tuple(value.shape)}, {value.dtype} on {value.device}; the step "
@@ -148,9 +154,7 @@ class GraphedStep:
         return loss
 
     def _capture(self, batch: dict) -> None:
-        for key, value in batch.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"batch[{key!r}] is a {type(value).__name__}: a graphed step takes tensors only")
+        check_tensors(batch)
         self.inputs = {key: value.clone() for key, value in batch.items()}
         capacity = sum(len(group["params"]) for group in self.optimizer.param_groups)
         table = ArgsTable(capacity, self._device)

@@ -19,7 +19,7 @@ from torch import nn
 from .reference import mix32, reference_fused_update
 from .rules import get_rule, make_group
 from .state import ForgeState, check_rounding
-from .step_args import pack_args, step_args  # noqa: F401 (pack_args: the kernels' tests and benchmarks)
+from .step_args import step_args
 
 BACKENDS = ("auto", "triton", "reference")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)

@@ -18,8 +18,8 @@ from transformers.training_args import OptimizerNames
 from .distributed import MODES, enable_data_parallel
 from .optim import ForgeOptimizer, fused_layers
 from .patch import patch_model
-from .swiglu import recompute_swiglu
 from .rules import RULES, Rule
+from .swiglu import recompute_swiglu
 
 PREFIX = "forge_"
 OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_nadam, ...

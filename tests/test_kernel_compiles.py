@@ -25,7 +25,7 @@ def compile_all() -> dict:
     from triton.backends.compiler import GPUTarget
 
     from forge_hf.kernels.fused_update import default_config, fused_update_kernel, kernel_call
-    from forge_hf.linear import pack_args
+    from forge_hf.step_args import pack_args
     from forge_hf.rules import get_rule, make_group
     from forge_hf.state import ForgeState
 

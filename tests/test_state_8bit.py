@@ -14,7 +14,7 @@ from forge_hf import ForgeLinear
 from forge_hf.codecs import BLOCK, QuantisedSlot
 from forge_hf.conv1d import ForgeConv1D
 from forge_hf.kernels.fused_update import launch_fused_update
-from forge_hf.linear import pack_args
+from forge_hf.step_args import pack_args
 from forge_hf.optim import ForgeOptimizer
 from forge_hf.patch import patch_model
 from forge_hf.quantization import round_trip

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import codecs
 from ..codecs import QuantisedSlot, storage_kind
-from ..rules import NUM_SCALARS, RULES, bind_update
+from ..rules import RULES, bind_update
 from .codecs import NONE, block_index, decode_state, load_state_raw, store_state
 from .storage import decode_value, element_hash, load_tile, store_value
 
@@ -135,7 +135,6 @@ def fused_update_kernel(
                         S2, STOCHASTIC, BLOCK_N, BLOCK_K)
 
 
-ARGS_LEN = NUM_SCALARS + 3
 # the compiled kernel takes constexpr values too, in the kernel's parameter order
 _CONSTEXPR_NAMES = [p.name for p in getattr(fused_update_kernel, "params", ()) if p.is_constexpr]
 
@@ -183,7 +182,7 @@ def kernel_call(
     dy: torch.Tensor,  # (T, N)
     weight: torch.Tensor,  # (N, K) view of the parameter, any strides; fp32 or bf16
     slots: list,  # three (N, K) tensors, QuantisedSlots or None, same strides as weight
-    args: torch.Tensor,  # int32 (ARGS_LEN,), on the weight's device
+    args: torch.Tensor,  # int32 (step_args.ARGS_LEN,), on the weight's device
     stats: torch.Tensor,  # fp32 (2,): [sum of squared gradients, non-finite tiles]
     rule_name: str,
     stochastic: bool,
