@@ -6,7 +6,8 @@
     # dry run on CPU (gloo, forge's reference backend): add --device cpu --tiny
 
 parity: W ranks at local batch b against one process at batch W*b, same init and data
-(rank 0 runs the single process after the data-parallel run). Reports the weight
+(rank 0 runs the single process after the data-parallel run); --graphed: the ranks' steps
+are captured and replayed (forge_hf.GraphedStep: 2 eager steps, a capture, replays). Reports the weight
 difference (absolute, relative to each tensor's largest weight, in ulps of the weight
 dtype), fused and non-fused weights apart, and whether the replicas are bit-identical.
 speed: step time and per-rank peak memory of forge_dp (sharded state), DDP + fused AdamW
@@ -35,11 +36,15 @@ from models import SHAPES, build_model
 from timing import profile_steps, step_times, summary
 
 ARMS = ("forge_dp", "ddp_fused_adamw", "fsdp2_fused_adamw")
+# forge_dp_graphed: forge_dp's whole step captured once and replayed (forge_hf.GraphedStep;
+# no DDP wrapper: the step averages the non-fused gradients itself)
 # forge_plain (no data parallelism at all) is for comparing with forge_dp at world size 1;
 # forge_dp_replicated (whole states, no row gathers) separates the row gathers' cost
-EXTRA_ARMS = ("forge_plain", "forge_dp_replicated")
+EXTRA_ARMS = ("forge_dp_graphed", "forge_plain", "forge_dp_replicated")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float32: 23}
+# hf: the model's own loss (an fp32 copy of the logits); forge: forge_hf.causal_lm_loss
+LOSSES = {"hf": lambda model, batch: model(**batch).loss, "forge": forge_hf.causal_lm_loss}
 # --tiny: a dry-run size of the same config family (a Qwen3 layer stays a Qwen3 layer)
 TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
@@ -128,14 +133,18 @@ def train_forge(opts, dtype, world, rank):
     runner = model
     if rank is not None:
         enable_data_parallel(model, mode="sharded")
-        runner = ddp(opts, model)
+        runner = None if opts.graphed else ddp(opts, model)
     opt = forge_optimizer(opts, model)
+    graphed = forge_hf.GraphedStep(model, opt, loss_fn=LOSSES[opts.loss]) if runner is None else None
     losses = []
     for step in range(opts.steps):
         ids = global_batch(opts, step, world * opts.batch, model.config.vocab_size)
         if rank is not None:
             ids = local_slice(ids, rank, opts.batch)
-        loss = runner(input_ids=ids, labels=ids).loss
+        if graphed is not None:
+            losses.append(graphed(dict(input_ids=ids, labels=ids)).float())
+            continue
+        loss = LOSSES[opts.loss](runner, dict(input_ids=ids, labels=ids))
         loss.backward()
         opt.step()  # waits for the sharded row gathers: every rank then holds whole weights
         opt.zero_grad(set_to_none=True)
@@ -239,6 +248,11 @@ def make_arm(opts, arm, model):
         # before DDP: it reads the ignore list
         enable_data_parallel(model, mode="sharded" if arm == "forge_dp" else "replicated")
         return ddp(opts, model), forge_optimizer(opts, model)
+    if arm == "forge_dp_graphed":
+        patch(opts, model)
+        enable_data_parallel(model, mode="sharded")
+        opt = forge_optimizer(opts, model)
+        return forge_hf.GraphedStep(model, opt, loss_fn=LOSSES[opts.loss], warmup_steps=2), opt
     if arm == "forge_plain":
         patch(opts, model)
         return model, forge_optimizer(opts, model)
@@ -294,6 +308,8 @@ def run_arm(opts, name, arm, world, rank):
         res["params"] = sum(p.numel() for p in model.parameters())
         runner, opt = make_arm(opts, arm, model)
         ids = local_slice(global_batch(opts, 0, world * opts.batch, model.config.vocab_size), rank, opts.batch)
+        batch = dict(input_ids=ids, labels=ids)
+        graphed = isinstance(runner, forge_hf.GraphedStep)
 
         phases = []  # per step: host and GPU milliseconds of forward, backward, optimizer
 
@@ -304,8 +320,11 @@ def run_arm(opts, name, arm, world, rank):
                     marks.append(torch.cuda.Event(enable_timing=True))
                     marks[-1].record()
                 host.append(time.perf_counter())
-                if phase == "forward":
-                    loss = runner(input_ids=ids, labels=ids).loss
+                if graphed:  # the whole step, counted as its forward
+                    if phase == "forward":
+                        runner(batch)
+                elif phase == "forward":
+                    loss = LOSSES[opts.loss](runner, batch)
                 elif phase == "backward":
                     loss.backward()
                 elif phase == "optimizer":
@@ -386,6 +405,9 @@ def main():
     ap.add_argument("--weights", choices=tuple(DTYPES), default="bf16", help="parity mode: parameter dtype")
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic")
     ap.add_argument("--liger", action="store_true", help="Liger's kernels in every arm (models.apply_liger)")
+    ap.add_argument("--loss", choices=tuple(LOSSES), default="hf", help="every arm's loss (see LOSSES)")
+    ap.add_argument("--graphed", action="store_true",
+                    help="parity mode: the ranks train with GraphedStep (the single process stays eager)")
     ap.add_argument("--ablate", choices=("none", "no_announce", "local_tokens"), default="none",
                     help="speed mode: a benchmark-only change of forge's data-parallel layer (see ablate)")
     ap.add_argument("--profile", action="store_true", help="speed mode: each rank profiles 3 more steps")

@@ -23,6 +23,8 @@ wraps the model (so call it first).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -53,8 +55,24 @@ class TokenCounts:
         self.group = group
         self.world = dist.get_world_size(group)
         self.pending: list[tuple["TokenGather", int]] = []  # announced, not yet exchanged
+        self.is_frozen = False
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """Inside: every call reuses the counts its layer last exchanged, with no collective
+        and no read on the host - what a CUDA graph capture needs. Valid when every rank's
+        batches keep their shapes (GraphedStep checks each rank's own against its capture):
+        the counts then cannot change. A call with another local count raises."""
+        self.is_frozen = True
+        try:
+            yield
+        finally:
+            self.is_frozen = False
 
     def announce(self, owner: "TokenGather", t_local: int) -> None:
+        if self.is_frozen:
+            owner.frozen_counts(t_local)
+            return
         owner.counted = None
         self.pending.append((owner, t_local))
 
@@ -98,7 +116,19 @@ class TokenGather:
         if self.world > 1:
             self.counts.announce(self, t_local)
 
+    def frozen_counts(self, t_local: int) -> list[int]:
+        """Every rank's count of this call as last exchanged (TokenCounts.frozen)."""
+        if self.counted is None or self.counted[0] != t_local:
+            before = "none" if self.counted is None else f"{self.counted[0]} tokens"
+            raise RuntimeError(
+                f"a fused layer saw {t_local} tokens while the token counts are frozen for a CUDA graph "
+                f"capture; its last exchanged count was {before}: run the eager warm-up steps with "
+                "batches of the captured shape (every rank the same shapes at every step)")
+        return self.counted[1]
+
     def _counts(self, t_local: int, device: torch.device) -> list[int]:
+        if self.counts.is_frozen:
+            return self.frozen_counts(t_local)
         if self.counted is None or self.counted[0] != t_local:
             if not any(owner is self for owner, _ in self.counts.pending):
                 # not announced in forward: announce now (every rank takes this branch: all
@@ -131,6 +161,29 @@ class TokenGather:
         keep = torch.cat([torch.arange(r * longest, r * longest + c, device=buf.device)
                           for r, c in enumerate(counts)])
         return buf.index_select(0, keep)
+
+
+def average_gradients(model: torch.nn.Module, group=None) -> None:
+    """Average every gradient the model holds over the group's ranks, in place: the
+    non-fused parameters' share of a data-parallel step (fused weights never hold one).
+    DDP's reducer does this inside backward; a captured step (GraphedStep) calls this
+    between backward and the optimizer instead. Like DDP, divides before it sums."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(world)
+            dist.all_reduce(p.grad, group=group)
+
+
+def broadcast_parameters(model: torch.nn.Module, group=None) -> None:
+    """Every rank takes the group's first rank's parameters and buffers, as DDP's
+    constructor does: data-parallel ranks must start from the same weights."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=src, group=group)
 
 
 def row_band(n_rows: int, block_n: int, world: int, rank: int) -> tuple[int, int]:

@@ -14,10 +14,18 @@ differently under capture (cuBLAS chooses its algorithms with another workspace)
     for batch in batches:          # every batch the same shapes (packed sequences)
         loss = step(batch)         # a 0-dim tensor; .item() when you want to print it
         scheduler.step()
+
+Data parallel (``enable_data_parallel``): give every rank's GraphedStep the model itself, not
+DDP(model). The step averages the non-fused gradients itself (``distributed.average_gradients``;
+DDP's reducer is not captured), takes rank 0's weights at construction as DDP does, and
+captures the layers' token and row all-gathers with everything else. Each rank's batches
+must keep one shape, as on one GPU: the token counts exchanged in the warm-up are then
+the counts of every replay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable
 
@@ -25,6 +33,7 @@ import torch
 from torch import nn
 
 from .codecs import QuantisedSlot
+from .distributed import average_gradients, broadcast_parameters
 from .loss import causal_lm_loss
 from .optim import ForgeOptimizer, fused_layers
 from .step_args import ArgsTable
@@ -99,10 +108,13 @@ class GraphedStep:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps}: at least one eager step must compile the kernels "
                              "and allocate the states before a capture")
-        sharded = [name for name, m in fused_layers(model).items() if m.__dict__.get("forge_dp") is not None]
-        if sharded:
-            raise ValueError(f"{sharded[0]} (and {len(sharded) - 1} more) step in data-parallel mode, whose "
-                             "token exchange reads counts on the host: graphed steps are single-GPU only")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise TypeError("GraphedStep takes the model DDP wraps, not the DDP wrapper: DDP's gradient reducer "
+                            "is not captured; the graphed step averages the non-fused gradients itself")
+        dps = [m.forge_dp for m in fused_layers(model).values() if m.__dict__.get("forge_dp") is not None]
+        if len({id(dp.group) for dp in dps}) > 1:
+            raise ValueError("the fused layers run data parallel over different process groups: a graphed step "
+                             "averages the other gradients over one; call enable_data_parallel once, with one group")
         if optimizer.stop_on_nonfinite:
             raise ValueError("stop_on_nonfinite=True reads a count on the host inside step(), which a graph "
                              "cannot: check optimizer.pop_nonfinite_tiles() between steps instead")
@@ -111,6 +123,11 @@ class GraphedStep:
             raise RuntimeError(f"the model is on {device}: CUDA graphs need a CUDA device; call the "
                                "eager step (loss.backward(); optimizer.step()) elsewhere")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.data_parallel = bool(dps)
+        self.dp_group = dps[0].group if dps else None
+        self.token_counts = list({id(dp.gather.counts): dp.gather.counts for dp in dps}.values())
+        if self.data_parallel:
+            broadcast_parameters(model, self.dp_group)
         self.warmup_steps = int(warmup_steps)
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -145,13 +162,20 @@ class GraphedStep:
         side = _side_stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
-            loss = self.loss_fn(self.model, batch)
-            loss.backward()
-            self.optimizer.step()
+            loss = self._step(batch)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = loss.detach()
         torch.cuda.current_stream(self._device).wait_stream(side)
         return loss
+
+    def _step(self, batch: dict) -> torch.Tensor:
+        """What is captured: forward, backward (the fused updates), the non-fused
+        gradients' average over the ranks, the optimizer step."""
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        if self.data_parallel:
+            average_gradients(self.model, self.dp_group)
+        self.optimizer.step()
+        return loss.detach()
 
     def _capture(self, batch: dict) -> None:
         check_tensors(batch)
@@ -161,10 +185,13 @@ class GraphedStep:
         self.optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self._device)
-        with table.recording(), torch.cuda.graph(graph):
-            loss = self.loss_fn(self.model, self.inputs)
-            loss.backward()
-            self.optimizer.step()
-            self.loss = loss.detach()
+        # Data parallel: NCCL's watchdog thread may still query events of the warm-up's
+        # collectives, which a process-wide capture mode would forbid.
+        mode = "thread_local" if self.data_parallel else "global"
+        with contextlib.ExitStack() as frozen:
+            for counts in self.token_counts:
+                frozen.enter_context(counts.frozen())
+            with table.recording(), torch.cuda.graph(graph, capture_error_mode=mode):
+                self.loss = self._step(self.inputs)
         self.graph, self.table = graph, table
         self.addresses = captured_addresses(self.model, self.optimizer)

@@ -1,5 +1,11 @@
-"""One rank of the data-parallel tests (started by tests/test_distributed.py, gloo on CPU)."""
+"""One rank of the data-parallel tests (started by tests/test_distributed.py; gloo on CPU).
 
+reducer "ddp": DDP averages the non-fused gradients, as users train eagerly. reducer
+"average": what a graphed step (GraphedStep) runs, without the capture: rank 0's weights
+broadcast, the non-fused gradients averaged by forge, and after the first step the token
+counts frozen (no count exchange). reducer "graphed": GraphedStep itself, nccl on two GPUs."""
+
+import contextlib
 import os
 import sys
 
@@ -9,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import forge_hf
-from forge_hf.distributed import enable_data_parallel
+from forge_hf import GraphedStep
+from forge_hf.distributed import average_gradients, broadcast_parameters, enable_data_parallel
 
 VOCAB, SEQ = 128, 8
 
@@ -27,35 +34,65 @@ def global_batch(step, size):
     return torch.randint(0, VOCAB, (size, SEQ), generator=gen)
 
 
-def train(world, rank, local_batch, steps, mode, state_precision="fp32"):
+def train(world, rank, local_batch, steps, mode, state_precision="fp32", reducer="ddp", device="cpu"):
     """Train; rank < 0 means one process with the whole global batch. Returns the model
-    and its optimizer."""
-    model = tiny_llama()
-    forge_hf.patch_model(model, optimizer="adamw", state_precision=state_precision, backend="reference",
+    and its optimizer. On a GPU the fused kernels run compiled (backend "auto")."""
+    model = tiny_llama().to(device)
+    forge_hf.patch_model(model, optimizer="adamw", state_precision=state_precision,
+                         backend="reference" if device == "cpu" else "auto",
                          min_params=0, lr=1e-3, weight_decay=0.01)
-    runner = model
+    runner, counts = model, None
     if rank >= 0:
         enable_data_parallel(model, mode=mode)
-        runner = DistributedDataParallel(model)
+        if reducer == "graphed":  # GraphedStep broadcasts, averages and freezes the counts itself
+            if rank > 0:
+                torch.nn.init.normal_(model.model.embed_tokens.weight)
+            return train_graphed(model, world, rank, local_batch, steps)
+        if reducer == "ddp":
+            runner = DistributedDataParallel(model)
+        else:
+            if rank > 0:  # rank 0's weights must reach the others
+                torch.nn.init.normal_(model.model.embed_tokens.weight)
+            broadcast_parameters(model)
+            counts = next(iter(forge_hf.optim.fused_layers(model).values())).forge_dp.gather.counts
     opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01)
     for step in range(steps):
-        ids = global_batch(step, world * local_batch)
+        ids = global_batch(step, world * local_batch).to(device)
         if rank >= 0:
             ids = ids[rank * local_batch:(rank + 1) * local_batch]
-        runner(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
+        with counts.frozen() if counts is not None and step > 0 else contextlib.nullcontext():
+            runner(input_ids=ids, labels=ids).loss.backward()
+            if counts is not None:
+                average_gradients(model)
+            opt.step()
         opt.zero_grad()
     return model, opt
 
 
-def main(rank, world, init_file, out_dir, mode, local_batch, steps):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    model, opt = train(world, rank, local_batch, steps, mode)
+def train_graphed(model, world, rank, local_batch, steps):
+    """GraphedStep's data-parallel training: two eager warm-up steps, a capture, replays."""
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01)
+    step = GraphedStep(model, opt, warmup_steps=2)
+    for i in range(steps):
+        ids = global_batch(i, world * local_batch)[rank * local_batch:(rank + 1) * local_batch].cuda()
+        step({"input_ids": ids, "labels": ids})
+    assert step.graph is not None, "the steps after the warm-up were not replayed"
+    return model, opt
+
+
+def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
+    if reducer == "graphed":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model, opt = train(world, rank, local_batch, steps, mode, reducer=reducer,
+                       device="cuda" if reducer == "graphed" else "cpu")
     fused = forge_hf.optim.fused_layers(model)
     state_bytes = sum(m.forge_state.nbytes() for m in fused.values())
     sent = sum(m.forge_dp.bytes_sent for m in fused.values())
     full_state = opt.state_dict()  # gathers shards: loadable by one process
-    torch.save(dict(weights={k: v.detach().clone() for k, v in model.state_dict().items()},
+    torch.save(dict(weights={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                     state_bytes=state_bytes, bytes_sent=sent, optimizer=full_state if rank == 0 else None),
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -63,4 +100,4 @@ def main(rank, world, init_file, out_dir, mode, local_batch, steps):
 
 if __name__ == "__main__":
     rank, world = int(sys.argv[1]), int(sys.argv[2])
-    main(rank, world, sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))
+    main(rank, world, sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7]), sys.argv[8])

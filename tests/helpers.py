@@ -69,7 +69,7 @@ def two_rank_gather(counts=None):
 
     if counts is None:
         counts = TokenCounts.__new__(TokenCounts)
-        counts.group, counts.world, counts.pending = "tokens", 2, []
+        counts.group, counts.world, counts.pending, counts.is_frozen = "tokens", 2, [], False
     gather = TokenGather.__new__(TokenGather)
     gather.group, gather.world, gather.rank, gather.bytes_sent, gather.counted = "tokens", 2, 0, 0, None
     gather.counts = counts

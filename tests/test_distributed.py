@@ -21,12 +21,12 @@ def dp_worker_bands(n_rows, world):
     return [row_band(n_rows, 8, world, r) for r in range(world)]
 
 
-def _launch(world, mode, tmp_path):
+def _launch(world, mode, tmp_path, reducer="ddp"):
     init = tmp_path / "rendezvous"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(HERE / "dp_worker.py"), str(r), str(world), str(init),
-                               str(tmp_path), mode, str(LOCAL_BATCH), str(STEPS)], env=env,
+                               str(tmp_path), mode, str(LOCAL_BATCH), str(STEPS), reducer], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     for p in procs:
@@ -59,10 +59,13 @@ def single_process():
     return run
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("mode", ["sharded", "replicated"])
-def test_ranks_match_one_process_and_each_other(world, mode, tmp_path, single_process):
-    ranks = _launch(world, mode, tmp_path)
+@pytest.mark.parametrize("world,mode,reducer", [(2, "sharded", "ddp"), (3, "sharded", "ddp"),
+                                                (2, "replicated", "ddp"), (3, "replicated", "ddp"),
+                                                (2, "sharded", "average")])
+def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, single_process):
+    """reducer "average": a graphed step's path (forge averages the non-fused gradients,
+    the token counts frozen after the first step, rank 0's weights broadcast)."""
+    ranks = _launch(world, mode, tmp_path, reducer)
     model, opt = single_process(world)
     single = {k: v.detach() for k, v in model.state_dict().items()}
     for r in ranks[1:]:
@@ -82,15 +85,17 @@ def test_ranks_match_one_process_and_each_other(world, mode, tmp_path, single_pr
     # what one rank sends per step: a ring all-gather puts world - 1 chunks on the wire;
     # the token counts (8 bytes), both activations (fp32), and in sharded mode the rows
     tokens = LOCAL_BATCH * dp_worker.SEQ
-    expected = (world - 1) * 8  # the number of fused calls, once a step, then each call's count
+    counts = (world - 1) * 8 * (1 + len(fused))  # the number of fused calls, then each call's count
+    expected = 0
     for m in fused.values():
         n_out, n_in = m.weight.shape
-        expected += (world - 1) * (8 + tokens * (n_in + n_out) * 4)
+        expected += (world - 1) * tokens * (n_in + n_out) * 4
         if mode == "sharded":
             band = max(b - a for a, b in (dp_worker_bands(n_out, world)))
             expected += (world - 1) * band * n_in * 4
+    counted_steps = 1 if reducer == "average" else STEPS  # frozen counts are not exchanged
+    assert ranks[0]["bytes_sent"] == STEPS * expected + counted_steps * counts
     sent = ranks[0]["bytes_sent"] / STEPS
-    assert sent == expected
     # DDP's ring all-reduce of the same (fused) gradients: 2 (world - 1) / world of them
     ddp_bytes = 2 * (world - 1) / world * sum(m.weight.numel() * 4 for m in fused.values())
     print(f"world={world} {mode}: forge sends {sent / 1e3:.1f} kB/step/rank, DDP {ddp_bytes / 1e3:.1f} kB")
@@ -107,6 +112,25 @@ def test_ranks_match_one_process_and_each_other(world, mode, tmp_path, single_pr
         for a, b in zip(m.forge_state.slots, m_ref.forge_state.slots):
             if b is not None:
                 assert (a.float() - b.float()).abs().max() <= 1e-3 * b.float().abs().max() + 1e-12, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nccl)")
+def test_graphed_data_parallel_training_follows_one_process(tmp_path):
+    """Two ranks on two GPUs, each a GraphedStep (two eager steps, a capture, replays:
+    token and row all-gathers and the gradient average inside the graph), against one
+    eager process with both ranks' batch: replicas bit-identical, and each parameter as in
+    the single process up to the GEMMs' rounding (a step missed or replayed on stale inputs
+    changes the updates by far more than 5% of the distance moved)."""
+    ranks = _launch(2, "sharded", tmp_path, "graphed")
+    for name, w in ranks[0]["weights"].items():
+        assert torch.equal(w, ranks[1]["weights"][name]), f"replicas differ in {name}"
+    start = dp_worker.tiny_llama().state_dict()
+    single, _ = dp_worker.train(2, -1, LOCAL_BATCH, STEPS, mode=None, device="cuda")
+    for name, ref in single.state_dict().items():
+        moved = (ref.cpu() - start[name]).norm()
+        apart = (ranks[0]["weights"][name] - ref.cpu()).norm()
+        assert apart <= 0.05 * moved, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
 
 
 @pytest.mark.parametrize("mode", ["sharded"])
@@ -200,6 +224,55 @@ def test_token_counts_of_a_whole_forward_are_exchanged_in_one_collective(monkeyp
     assert layers[2]._counts(12, torch.device("cpu")) == [12, 12]
     assert layers[1]._counts(11, torch.device("cpu")) == [11, 11]
     assert fake.calls[2:] == [((1,), "tokens"), ((1,), "tokens")]
+
+
+def test_frozen_token_counts_make_no_exchange_and_refuse_a_new_count(monkeypatch):
+    """What a CUDA graph capture runs: the counts of the last exchange, no collective for
+    them; a call with another local count is an error (a capture cannot exchange)."""
+    fake = FakeTwoRanks(monkeypatch)
+    first = two_rank_gather()
+    second = two_rank_gather(first.counts)
+    first.announce(6)
+    second.announce(4)
+    x = torch.randn(4, 3)
+    second.gather(x)
+    first.gather(torch.randn(6, 3))
+    exchanged = len(fake.calls)
+    with first.counts.frozen():
+        first.announce(6)
+        second.announce(4)
+        assert torch.equal(second.gather(x)[0], torch.cat([x, x]))
+        assert first._counts(6, torch.device("cpu")) == [6, 6]
+        assert fake.calls[exchanged:] == [((4, 3), "tokens")]  # the rows only
+        assert first.counts.pending == []
+        with pytest.raises(RuntimeError, match="saw 5 tokens while the token counts are frozen.*was 4 tokens"):
+            second.announce(5)
+        with pytest.raises(RuntimeError, match="saw 5 tokens while the token counts are frozen.*was 6 tokens"):
+            first.gather(torch.randn(5, 3))
+    first.announce(5)  # thawed: a new count is exchanged again
+    assert first._counts(5, torch.device("cpu")) == [5, 5]
+
+
+def test_average_gradients_divides_then_sums_every_gradient_it_finds(monkeypatch):
+    from forge_hf import distributed
+
+    other_rank = {}  # the other rank's share, already divided by the world size
+
+    def all_reduce(t, group=None):
+        t.add_(other_rank[t.data_ptr()])
+
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].weight.grad = torch.ones(4, 3)
+    model[1].bias.grad = torch.full((2,), 3.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            other_rank[p.grad.data_ptr()] = p.grad.clone()  # its gradient is twice this rank's
+    distributed.average_gradients(model)
+    assert torch.equal(model[0].weight.grad, torch.full((4, 3), 1.5))
+    assert torch.equal(model[1].bias.grad, torch.full((2,), 4.5))
+    assert model[0].bias.grad is None and model[1].weight.grad is None
 
 
 def test_ranks_with_different_fused_calls_get_an_error_not_a_hang(monkeypatch):

@@ -2,6 +2,8 @@
 computes. On CPU: the argument table's host work (counters, learning rates, errors) and
 the input checks; on a GPU: graphed against eager training, bit for bit."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -119,10 +121,23 @@ def test_graphed_step_refuses_what_it_cannot_replay():
     _, strict = patched("cpu", state_precision="fp32", stop_on_nonfinite=True)
     with pytest.raises(ValueError, match="stop_on_nonfinite=True.*pop_nonfinite_tiles"):
         GraphedStep(model, strict)
-    layer = model.model.layers[0].mlp.down_proj
-    layer.__dict__["forge_dp"] = object()  # as enable_data_parallel leaves it
-    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj .*single-GPU only"):
+    for i, group in enumerate(("tokens", "other")):  # as two enable_data_parallel calls leave them
+        model.model.layers[i].mlp.down_proj.__dict__["forge_dp"] = SimpleNamespace(group=group)
+    with pytest.raises(ValueError, match="data parallel over different process groups.*one group"):
         GraphedStep(model, opt)
+
+
+def test_graphed_step_refuses_a_ddp_wrapper(tmp_path):
+    import torch.distributed as dist
+
+    model, opt = patched("cpu", state_precision="fp32")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(TypeError, match="takes the model DDP wraps, not the DDP wrapper"):
+            GraphedStep(wrapped, opt)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_captured_addresses_change_when_a_checkpoint_is_loaded(single_thread):
