@@ -6,7 +6,7 @@ and block metadata for the 8-bit precisions).
 Also times cuBLAS forming the same weight gradient (dY^T X, bf16 out): the matmul part
 alone, for reference.
 Usage: python benchmarks/kernel_microbench.py [--state fp32|bf16|int8|al8] [--configs all|default]
-       [--out results.json]
+       [--maxnreg N] [--variant NAME (kernel_variants.py)] [--out results.json]
 """
 
 import argparse
@@ -15,6 +15,7 @@ import json
 import torch
 import triton
 
+import kernel_variants
 from forge_hf.kernels.fused_update import default_config, launch_fused_update
 from forge_hf.step_args import ARGS_LEN, pack_args
 from forge_hf.rules import get_rule, make_group
@@ -47,14 +48,27 @@ def _flat(config: dict) -> tuple:
     return (*config["blocks"], config["num_warps"], config["num_stages"])
 
 
+def parse_configs(text: str, n: int, k: int, tokens: int) -> list[tuple]:
+    if text == "all":
+        return CONFIGS
+    if text == "default":
+        return [_flat(default_config(n, k, tokens))]
+    return [tuple(int(v) for v in config.split(",")) for config in text.split(";")]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--out", default=None)
     ap.add_argument("--state", default="bf16", choices=STATE_PRECISIONS)
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
-    ap.add_argument("--configs", default="all", help="'all', or 'default': the kernel's own choice per shape")
+    ap.add_argument("--configs", default="all",
+                    help="'all', 'default' (the kernel's own choice per shape), or 'BN,BK,BT,warps,stages;...'")
+    ap.add_argument("--maxnreg", type=int, default=-1,
+                    help="a register cap per thread (0: none; default: the kernel's own, default_config)")
+    ap.add_argument("--variant", default="base", help="a benchmark-only kernel variant (kernel_variants.py)")
     opts = ap.parse_args()
+    kernel_variants.apply(opts.variant)
     bw, flops = ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     rule = get_rule("adamw")
@@ -76,11 +90,12 @@ def main():
         floor_ms = max(moved / bw, 2 * T * n * k / flops) * 1e3
         gemm_ms = triton.testing.do_bench(lambda: torch.mm(dy.t(), x), return_mode="median")
         timings = {}
-        configs = CONFIGS if opts.configs == "all" else [_flat(default_config(n, k, T))]
+        configs = parse_configs(opts.configs, n, k, T)
+        cap = {} if opts.maxnreg < 0 else dict(maxnreg=opts.maxnreg or None)
         for cfg in configs:
             bn, bk, bt, nw, ns = cfg
             fn = lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", opts.rounding == "stochastic",
-                                             blocks=(bn, bk, bt), num_warps=nw, num_stages=ns)
+                                             blocks=(bn, bk, bt), num_warps=nw, num_stages=ns, **cap)
             try:
                 timings[str(cfg)] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
             except Exception as e:  # a config may not fit shared memory
@@ -99,7 +114,8 @@ def main():
           f"({100 * total_floor / total_best:.0f}%)")
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump(dict(bandwidth=bw, matmul_flops=flops, state=opts.state, rounding=opts.rounding, rows=rows,
+            json.dump(dict(bandwidth=bw, matmul_flops=flops, state=opts.state, rounding=opts.rounding,
+                           variant=opts.variant, maxnreg=opts.maxnreg, rows=rows,
                            total_ms=total_best, total_floor_ms=total_floor), f, indent=1)
 
 

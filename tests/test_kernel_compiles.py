@@ -24,7 +24,7 @@ def compile_all() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from forge_hf.kernels.fused_update import default_config, fused_update_kernel, kernel_call
+    from forge_hf.kernels.fused_update import compile_options, default_config, fused_update_kernel, kernel_call
     from forge_hf.step_args import pack_args
     from forge_hf.rules import get_rule, make_group
     from forge_hf.state import ForgeState
@@ -55,9 +55,7 @@ def compile_all() -> dict:
                 source = triton.compiler.ASTSource(
                     fn=fused_update_kernel, signature=sig,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
-                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                          options=dict(num_warps=config["num_warps"],
-                                                       num_stages=config["num_stages"], enable_fp_fusion=False))
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=compile_options(config))
                 results[f"{rule_name}/{variant}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
             except Exception as e:  # reported per variant by the tests below
                 results[f"{rule_name}/{variant}"] = f"{type(e).__name__}: {str(e)[-1500:]}"

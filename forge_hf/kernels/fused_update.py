@@ -40,6 +40,20 @@ def _scalar(args_ptr, i: tl.constexpr):
 
 
 @triton.jit
+def record_tile(stats_ptr, acc):
+    """Whether the gradient tile may be applied. A tile whose squared sum is not finite (a
+    NaN or inf in it, or an entry beyond ~1e19 whose square overflows) is counted and
+    skipped; others add their squared sum to the grad norm."""
+    sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+    ok = (sumsq == sumsq) & (sumsq < float("inf"))
+    # Relaxed: the sums are read after the kernel, which orders them. The default
+    # (acquire-release) fences every program's atomics: ~20% of the kernel's time.
+    tl.atomic_add(stats_ptr, tl.where(ok, sumsq, 0.0), sem="relaxed")
+    tl.atomic_add(stats_ptr + 1, 1.0, mask=ok == 0, sem="relaxed")
+    return ok
+
+
+@triton.jit
 def fused_update_kernel(
     x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr,
     T, N, K, KB,
@@ -81,12 +95,7 @@ def fused_update_kernel(
             else:
                 acc += tl.dot(dy_t, x)
 
-    # A tile whose squared sum is not finite (a NaN or inf in it, or an entry beyond
-    # ~1e19 whose square overflows) is counted and skipped; others feed the grad norm.
-    sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    ok = (sumsq == sumsq) & (sumsq < float("inf"))
-    tl.atomic_add(stats_ptr, tl.where(ok, sumsq, 0.0))
-    tl.atomic_add(stats_ptr + 1, tl.where(ok, 0.0, 1.0))
+    ok = record_tile(stats_ptr, acc)
 
     # Phase 2: the rule, on the same registers. (Loading these tiles before the token loop
     # was measured 2-5% slower: more live registers; benchmarks/NOTES.md.)
@@ -139,15 +148,13 @@ def fused_update_kernel(
 _CONSTEXPR_NAMES = [p.name for p in getattr(fused_update_kernel, "params", ()) if p.is_constexpr]
 
 
-# Launches keep a*b+c as two roundings (no FMA contraction): the rules' arithmetic then
-# gives the PyTorch reference's bits, so moments near zero (where one contracted rounding
-# can flip a sign and move a bf16 state by thousands of ulps) agree on every device.
 def default_config(N: int, K: int, T: int) -> dict:
     """Tile shape and launch options for one layer shape (benchmarks/NOTES.md)."""
     if INTERPRETER:  # fewer, larger programs: the interpreter runs them one by one
-        return dict(blocks=(64, 64, 64), num_warps=4, num_stages=1)
-    # best single config over Llama-3.1-8B's shapes (benchmarks/NOTES.md)
-    return dict(blocks=(64, 64, 64), num_warps=4, num_stages=4)
+        return dict(blocks=(64, 64, 64), num_warps=4, num_stages=1, maxnreg=None)
+    # best single config over Llama-3.1-8B's shapes; 168 registers let three programs
+    # share a multiprocessor instead of two (benchmarks/NOTES.md)
+    return dict(blocks=(64, 64, 64), num_warps=4, num_stages=4, maxnreg=168)
 
 
 def default_blocks(N: int, K: int, T: int) -> tuple[int, int, int]:
@@ -232,13 +239,25 @@ def _specialisation(positional: list) -> tuple:
                  else (a == 1, a % 16 == 0) for a in positional)
 
 
-def _launch(grid, positional, constexprs, num_warps, num_stages) -> None:
-    options = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
+# Launches keep a*b+c as two roundings (no FMA contraction): the rules' arithmetic then
+# gives the PyTorch reference's bits, so moments near zero (where one contracted rounding
+# can flip a sign and move a bf16 state by thousands of ulps) agree on every device.
+def compile_options(config: dict) -> dict:
+    """Triton's compile options for default_config's launch options (num_warps,
+    num_stages, maxnreg: a register cap per thread, None for none)."""
+    options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=False)
+    if config.get("maxnreg"):
+        options["maxnreg"] = config["maxnreg"]
+    return options
+
+
+def _launch(grid, positional, constexprs, config: dict) -> None:
+    options = compile_options(config)
     if INTERPRETER:
         fused_update_kernel[grid](*positional, **constexprs, **options)
         return
     # one device per launch (a compiled kernel is loaded on one): the first tensor's
-    key = (positional[0].device, _specialisation(positional), tuple(constexprs.items()), num_warps, num_stages)
+    key = (positional[0].device, _specialisation(positional), tuple(constexprs.items()), tuple(options.items()))
     compiled = _COMPILED.get(key)
     if compiled is None and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -252,13 +271,13 @@ def _launch(grid, positional, constexprs, num_warps, num_stages) -> None:
 
 
 def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
-                        num_warps: int | None = None, num_stages: int | None = None) -> None:
-    """One fused step of one layer (arguments as in kernel_call; launch options left None
-    come from default_config)."""
-    config = default_config(*weight.shape, x.shape[0])
+                        **options) -> None:
+    """One fused step of one layer (arguments as in kernel_call). ``options``: launch
+    options (num_warps, num_stages, maxnreg) in place of default_config's."""
+    config = {**default_config(*weight.shape, x.shape[0]), **options}
     grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic,
                                                blocks or config["blocks"])
-    _launch(grid, positional, constexprs, num_warps or config["num_warps"], num_stages or config["num_stages"])
+    _launch(grid, positional, constexprs, config)
 
 
 def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic) -> None:
@@ -267,4 +286,4 @@ def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic) ->
     config = default_config(*weight.shape, 0)
     grid, positional, constexprs = kernel_call(grad, grad, weight, slots, args, stats, rule_name, stochastic,
                                                config["blocks"], grad_given=True)
-    _launch(grid, positional, constexprs, config["num_warps"], config["num_stages"])
+    _launch(grid, positional, constexprs, config)
