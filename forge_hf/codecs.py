@@ -135,8 +135,8 @@ def storage_kind(slot) -> int:
 
 
 def _div_rn(a, b):
-    """A correctly rounded a / b, a Python number on either side: torch divides a tensor
-    by a number as a product with its reciprocal (two roundings) on some devices."""
+    """A correctly rounded a / b, a Python number on either side (torch may divide a tensor
+    by a number as a product with the number's reciprocal: two roundings)."""
     like = a if torch.is_tensor(a) else b
     a, b = (v if torch.is_tensor(v) else torch.full_like(like, v) for v in (a, b))
     return torch.div(a, b)

@@ -274,7 +274,12 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
                         **options) -> None:
     """One fused step of one layer (arguments as in kernel_call). ``options``: launch
     options (num_warps, num_stages, maxnreg) in place of default_config's."""
-    config = {**default_config(*weight.shape, x.shape[0]), **options}
+    config = default_config(*weight.shape, x.shape[0])
+    unknown = sorted(set(options) - (set(config) - {"blocks"}))
+    if unknown:
+        raise TypeError(f"unknown launch option(s) {unknown}: the fused kernel takes "
+                        f"{sorted(set(config) - {'blocks'})}")
+    config = {**config, **options}
     grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic,
                                                blocks or config["blocks"])
     _launch(grid, positional, constexprs, config)
