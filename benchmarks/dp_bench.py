@@ -125,20 +125,33 @@ def header(opts, world):
 # ----------------------------------------------------------------------------- parity
 
 
-def train_forge(opts, dtype, world, rank):
+def train_run(opts, dtype, world, rank):
     """Train with forge for --steps steps; rank None: one process with the global batch.
-    Returns the model and the per-step loss (mean over ranks)."""
+    Returns the model and the per-step loss (mean over ranks). --optimizer adamw: torch's
+    fused AdamW (DDP on the ranks) instead, the control for how far any data-parallel run
+    drifts from one process (the model's own GEMMs at another batch size)."""
     model = build(opts, opts.model, dtype)
-    patch(opts, model)
+    vocab = model.config.vocab_size
     runner = model
+    if opts.optimizer == "adamw":
+        if rank is not None:
+            runner = ddp(opts, model)
+        opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01,
+                                fused=True if opts.dev.type == "cuda" else None)
+        return model, train_steps(opts, world, rank, runner, opt, None, vocab)
+    patch(opts, model)
     if rank is not None:
         enable_data_parallel(model, mode="sharded")
         runner = None if opts.graphed else ddp(opts, model)
     opt = forge_optimizer(opts, model)
     graphed = forge_hf.GraphedStep(model, opt, loss_fn=LOSSES[opts.loss]) if runner is None else None
+    return model, train_steps(opts, world, rank, runner, opt, graphed, vocab)
+
+
+def train_steps(opts, world, rank, runner, opt, graphed, vocab):
     losses = []
     for step in range(opts.steps):
-        ids = global_batch(opts, step, world * opts.batch, model.config.vocab_size)
+        ids = global_batch(opts, step, world * opts.batch, vocab)
         if rank is not None:
             ids = local_slice(ids, rank, opts.batch)
         if graphed is not None:
@@ -153,7 +166,7 @@ def train_forge(opts, dtype, world, rank):
     if rank is not None:
         dist.all_reduce(losses)  # equal token counts per rank: the mean is the global loss
         losses /= world
-    return model, losses.tolist()
+    return losses.tolist()
 
 
 def replica_mismatches(weights, world):
@@ -208,10 +221,13 @@ def summarise(rows: dict) -> dict:
 
 def parity(opts, world, rank):
     dtype = DTYPES[opts.weights]
-    model, dp_losses = train_forge(opts, dtype, world, rank)
+    model, dp_losses = train_run(opts, dtype, world, rank)
     band0 = {f"{n}.weight": row_band(m.forge_weight_view().shape[0], m.forge_dp.block_n, world, 0)[1]
              for n, m in fused_layers(model).items() if not m.forge_transposed}
-    fused_names = {f"{n}.weight" for n in fused_layers(model)}
+    # the control (--optimizer adamw) reports the same weights apart: the decoder's linears
+    fused_names = ({f"{n}.weight" for n in fused_layers(model)} if opts.optimizer == "forge" else
+                   {f"{n}.weight" for n, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}"})
     dp_weights = {k: v.detach().clone() for k, v in model.named_parameters()}  # tied weights once
     del model
     free()
@@ -219,7 +235,7 @@ def parity(opts, world, rank):
     result = dict(header(opts, world), mode="parity", replicas_identical=not mismatched,
                   replica_mismatched=mismatched[:20], dp_loss=dp_losses)
     if rank == 0:  # the other ranks wait at the barrier below
-        single, result["single_loss"] = train_forge(opts, dtype, world, None)
+        single, result["single_loss"] = train_run(opts, dtype, world, None)
         rows = {k: diff_stats(dp_weights[k], v.detach(), band0.get(k)) for k, v in single.named_parameters()}
         result["fused"] = summarise({k: r for k, r in rows.items() if k in fused_names})
         result["nonfused"] = summarise({k: r for k, r in rows.items() if k not in fused_names})
@@ -406,6 +422,8 @@ def main():
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic")
     ap.add_argument("--liger", action="store_true", help="Liger's kernels in every arm (models.apply_liger)")
     ap.add_argument("--loss", choices=tuple(LOSSES), default="hf", help="every arm's loss (see LOSSES)")
+    ap.add_argument("--optimizer", choices=("forge", "adamw"), default="forge",
+                    help="parity mode: adamw trains with torch's fused AdamW under DDP instead (the control)")
     ap.add_argument("--graphed", action="store_true",
                     help="parity mode: the ranks train with GraphedStep (the single process stays eager)")
     ap.add_argument("--ablate", choices=("none", "no_announce", "local_tokens"), default="none",
