@@ -43,6 +43,7 @@ ARMS = ("forge_dp", "ddp_fused_adamw", "fsdp2_fused_adamw")
 EXTRA_ARMS = ("forge_dp_graphed", "forge_plain", "forge_dp_replicated")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float32: 23}
+CORE_RTOL = 1e-5  # tests/helpers.py's RTOL_FP32: 99.9% of a tensor within it of its largest weight
 # hf: the model's own loss (an fp32 copy of the logits); forge: forge_hf.causal_lm_loss
 LOSSES = {"hf": lambda model, batch: model(**batch).loss, "forge": forge_hf.causal_lm_loss}
 # --tiny: a dry-run size of the same config family (a Qwen3 layer stays a Qwen3 layer)
@@ -191,7 +192,9 @@ def diff_stats(got, ref, band0_rows=None):
     ulps = d / torch.ldexp(torch.ones_like(b), exp - 1 - MANTISSA_BITS[ref.dtype])
     out = dict(numel=d.numel(), equal=int((d == 0).sum()), max_abs=d.max().item(),
                max_rel=(d.max() / b.abs().max().clamp_min(1e-30)).item(),
-               max_ulps=ulps.max().item(), sum_ulps=ulps.sum().item(), over_1ulp=int((ulps > 1).sum()))
+               max_ulps=ulps.max().item(), sum_ulps=ulps.sum().item(), over_1ulp=int((ulps > 1).sum()),
+               # the core tests' criterion: within 1e-5 of the tensor's largest weight
+               within_core=int((d <= CORE_RTOL * b.abs().max()).sum()))
     if band0_rows is not None:
         out.update(band0_numel=d[:band0_rows].numel(), band0_equal=int((d[:band0_rows] == 0).sum()))
     return out
@@ -208,6 +211,8 @@ def summarise(rows: dict) -> dict:
                mean_ulps=sum(r["sum_ulps"] for r in rows.values()) / n,
                # max_ulps is set by weights near zero (tiny ulp); the share above 1 ulp is the robust one
                over_1ulp_frac=sum(r["over_1ulp"] for r in rows.values()) / n,
+               within_core_frac=sum(r["within_core"] for r in rows.values()) / n,
+               worst_within_core=min(r["within_core"] / r["numel"] for r in rows.values()),
                worst_rel=sorted(rows, key=lambda k: -rows[k]["max_rel"])[:3])
     if all("band0_numel" in r for r in rows.values()):
         # rows rank 0 updated vs the others: a difference only outside band 0 points at the
