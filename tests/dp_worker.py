@@ -44,15 +44,13 @@ def train(world, rank, local_batch, steps, mode, state_precision="fp32", reducer
     runner, counts = model, None
     if rank >= 0:
         enable_data_parallel(model, mode=mode)
+        if reducer != "ddp" and rank > 0:  # without DDP, rank 0's weights must reach the others
+            torch.nn.init.normal_(model.model.embed_tokens.weight)
         if reducer == "graphed":  # GraphedStep broadcasts, averages and freezes the counts itself
-            if rank > 0:
-                torch.nn.init.normal_(model.model.embed_tokens.weight)
             return train_graphed(model, world, rank, local_batch, steps)
         if reducer == "ddp":
             runner = DistributedDataParallel(model)
         else:
-            if rank > 0:  # rank 0's weights must reach the others
-                torch.nn.init.normal_(model.model.embed_tokens.weight)
             broadcast_parameters(model)
             counts = next(iter(forge_hf.optim.fused_layers(model).values())).forge_dp.gather.counts
     opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01)

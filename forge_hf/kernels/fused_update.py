@@ -275,10 +275,10 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
     """One fused step of one layer (arguments as in kernel_call). ``options``: launch
     options (num_warps, num_stages, maxnreg) in place of default_config's."""
     config = default_config(*weight.shape, x.shape[0])
-    unknown = sorted(set(options) - (set(config) - {"blocks"}))
+    known = sorted(set(config) - {"blocks"})
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise TypeError(f"unknown launch option(s) {unknown}: the fused kernel takes "
-                        f"{sorted(set(config) - {'blocks'})}")
+        raise TypeError(f"unknown launch option(s) {unknown}: the fused kernel takes {known}")
     config = {**config, **options}
     grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic,
                                                blocks or config["blocks"])
