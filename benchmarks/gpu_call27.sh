@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Runs at commit a2f1119 (the subtiles experiment, reverted in the commit after it).
 # Sixth session, first call (2 GPUs): programs that own several tiles (subtiles), so the
 # token loop's x and dy loads serve two or four tiles. Prediction: the main loop is bound
 # by L2 -> SM traffic (64 x 64 tiles re-read x and dy 128 KB a tile, ~240 GB a step; main

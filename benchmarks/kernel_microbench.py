@@ -5,7 +5,7 @@ matmul rate). Bytes: read x and dy once, read and write the weight and each stat
 and block metadata for the 8-bit precisions).
 Also times cuBLAS forming the same weight gradient (dY^T X, bf16 out): the matmul part
 alone, for reference.
-Usage: python benchmarks/kernel_microbench.py [--state fp32|bf16|int8|al8] [--configs all|default|LIST]
+Usage: python benchmarks/kernel_microbench.py [--state fp32|bf16|int8|al8] [--configs all|default]
        [--maxnreg N] [--variant NAME (kernel_variants.py)] [--out results.json]
 """
 
@@ -45,26 +45,15 @@ def ceilings():
 
 
 def _flat(config: dict) -> tuple:
-    return (*config["blocks"], config["num_warps"], config["num_stages"], *config["subtiles"])
+    return (*config["blocks"], config["num_warps"], config["num_stages"])
 
 
 def parse_configs(text: str, n: int, k: int, tokens: int) -> list[tuple]:
-    """(BN, BK, BT, warps, stages[, SUB_N, SUB_K[, maxnreg]]) tuples; maxnreg 0: no cap."""
     if text == "all":
         return CONFIGS
     if text == "default":
         return [_flat(default_config(n, k, tokens))]
     return [tuple(int(v) for v in config.split(",")) for config in text.split(";")]
-
-
-def launch_options(cfg: tuple, cap: dict) -> dict:
-    bn, bk, bt, nw, ns, *rest = cfg
-    options = dict(blocks=(bn, bk, bt), num_warps=nw, num_stages=ns, **cap)
-    if rest:
-        options["subtiles"] = tuple(rest[:2])
-    if len(rest) > 2:
-        options["maxnreg"] = rest[2] or None
-    return options
 
 
 def main():
@@ -74,8 +63,7 @@ def main():
     ap.add_argument("--state", default="bf16", choices=STATE_PRECISIONS)
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
     ap.add_argument("--configs", default="all",
-                    help="'all', 'default' (the kernel's own choice per shape), or "
-                         "'BN,BK,BT,warps,stages[,SUB_N,SUB_K[,maxnreg]];...'")
+                    help="'all', 'default' (the kernel's own choice per shape), or 'BN,BK,BT,warps,stages;...'")
     ap.add_argument("--maxnreg", type=int, default=-1,
                     help="a register cap per thread (0: none; default: the kernel's own, default_config)")
     ap.add_argument("--variant", default="base", help="a benchmark-only kernel variant (kernel_variants.py)")
@@ -105,9 +93,9 @@ def main():
         configs = parse_configs(opts.configs, n, k, T)
         cap = {} if opts.maxnreg < 0 else dict(maxnreg=opts.maxnreg or None)
         for cfg in configs:
-            options = launch_options(cfg, cap)
+            bn, bk, bt, nw, ns = cfg
             fn = lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", opts.rounding == "stochastic",
-                                             **options)
+                                             blocks=(bn, bk, bt), num_warps=nw, num_stages=ns, **cap)
             try:
                 timings[str(cfg)] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
             except Exception as e:  # a config may not fit shared memory

@@ -49,8 +49,7 @@ def compile_all() -> dict:
                     x = dy = torch.zeros(200, 300, dtype=torch.bfloat16)
                 config = default_config(200, 300, 0 if grad else 77)  # what a GPU launch uses
                 _, positional, constexprs = kernel_call(x, dy, weight, state.kernel_slots(), args, torch.zeros(2),
-                                                        rule_name, True, dot_fp32=False, grad_given=bool(grad),
-                                                        subtiles=config["subtiles"])
+                                                        rule_name, True, dot_fp32=False, grad_given=bool(grad))
                 sig = {n: ("*" + types[v.dtype]) if torch.is_tensor(v) else "i32" for n, v in zip(names, positional)}
                 sig.update({k: "constexpr" for k in constexprs})
                 source = triton.compiler.ASTSource(

@@ -54,48 +54,57 @@ def record_tile(stats_ptr, acc):
 
 
 @triton.jit
-def _dot(a, b, DOT_FP32: tl.constexpr):
-    if DOT_FP32:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
-
-
-@triton.jit
-def _given_gradient(g_ptr, rn, rk, N, K, stride_gn, stride_gk):
-    return tl.load(g_ptr + rn[:, None] * stride_gn + rk[None, :] * stride_gk,
-                   mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0).to(tl.float32)
-
-
-@triton.jit
-def update_tile(
-    acc, rn, rk, pid_k, pointers,
-    N, K, KB, stride_wn, stride_wk,
-    RULE_UPDATE: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-    QUANTISED: tl.constexpr, W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def fused_update_kernel(
+    x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr,
+    T, N, K, KB,
+    stride_xt, stride_xk, stride_dyt, stride_dyn, stride_wn, stride_wk,
+    RULE_UPDATE: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (codecs.py)
+    QUANTISED: tl.constexpr,
+    W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+    DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr,
+    EVEN: tl.constexpr,  # the tiles cover the weight exactly: no bounds masks on its tiles
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """The rule applied to one (BLOCK_N x BLOCK_K) gradient tile ``acc`` (rows rn, columns
-    rk, the pid_k-th BLOCK_K-wide column of tiles), on the same registers, and the write-back.
-    ``pointers``: the weight, the three states, their metadata, args and stats."""
-    w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr = pointers
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rt = tl.arange(0, BLOCK_T)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     if EVEN:
         io_mask = None
     else:
         io_mask = mask
     offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
+
+    # Phase 1: the gradient tile, fp32 accumulation over tokens - or, for a tensor that
+    # already has an ordinary gradient (ForgeOptimizer's non-fused ones), x_ptr is that
+    # (N, K) gradient and the tile is read.
+    if GRAD_GIVEN:
+        acc = tl.load(x_ptr + rn[:, None] * stride_xt + rk[None, :] * stride_xk,
+                      mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + rt
+            dy_t = tl.load(dy_ptr + rn[:, None] * stride_dyn + t[None, :] * stride_dyt,
+                           mask=(rn[:, None] < N) & (t[None, :] < T), other=0.0)
+            x = tl.load(x_ptr + t[:, None] * stride_xt + rk[None, :] * stride_xk,
+                        mask=(t[:, None] < T) & (rk[None, :] < K), other=0.0)
+            if DOT_FP32:
+                acc += tl.dot(dy_t.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(dy_t, x)
+
     ok = record_tile(stats_ptr, acc)
 
-    # (Loading these tiles before the token loop was measured 2-5% slower: more live
-    # registers; benchmarks/NOTES.md.)
+    # Phase 2: the rule, on the same registers. (Loading these tiles before the token loop
+    # was measured 2-5% slower: more live registers; benchmarks/NOTES.md.)
     w = decode_value(load_tile(w_ptr, offs, mask, EVEN), W_BF16)
     r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
     r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
     r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
     if QUANTISED:
-        block, block_mask = block_index(rn, pid_k, N, KB, BLOCK_K)
+        block, block_mask = block_index(rn, tl.program_id(1), N, KB, BLOCK_K)
     else:
         block, block_mask = 0, False
     s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -114,7 +123,7 @@ def update_tile(
         _scalar(args_ptr, 8), _scalar(args_ptr, 9), _scalar(args_ptr, 10), _scalar(args_ptr, 11),
     )
 
-    # Write back (the gradient tile is dropped here).
+    # Phase 3: write back (the gradient tile is dropped here).
     if STOCHASTIC:
         step = tl.load(args_ptr + 12).to(tl.uint32, bitcast=True)
         salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
@@ -135,95 +144,17 @@ def update_tile(
                         S2, STOCHASTIC, BLOCK_N, BLOCK_K)
 
 
-@triton.jit
-def fused_update_kernel(
-    x_ptr, dy_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr,
-    T, N, K, KB,
-    stride_xt, stride_xk, stride_dyt, stride_dyn, stride_wn, stride_wk,
-    RULE_UPDATE: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (codecs.py)
-    QUANTISED: tl.constexpr,
-    W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-    DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr,
-    EVEN: tl.constexpr,  # the tiles cover the weight exactly: no bounds masks on its tiles
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-    SUB_N: tl.constexpr, SUB_K: tl.constexpr,  # a program's tiles: SUB_N x SUB_K, 1 or 2 each
-):
-    # A program owns SUB_N x SUB_K adjacent tiles. Their token loop loads each x and dy
-    # block once for all of them (less traffic from L2 than one tile per program), then
-    # the rule runs tile by tile, so only one tile's weight and states are live at once.
-    pid_k = tl.program_id(1) * SUB_K
-    rn0 = tl.program_id(0) * (SUB_N * BLOCK_N) + tl.arange(0, BLOCK_N)
-    rk0 = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    rn1 = rn0 + BLOCK_N
-    rk1 = rk0 + BLOCK_K
-    rt = tl.arange(0, BLOCK_T)
-
-    # The gradient tiles, fp32 accumulation over tokens - or, for a tensor that already
-    # has an ordinary gradient (ForgeOptimizer's non-fused ones), x_ptr is that (N, K)
-    # gradient and the tiles are read.
-    if GRAD_GIVEN:
-        acc00 = _given_gradient(x_ptr, rn0, rk0, N, K, stride_xt, stride_xk)
-        acc01 = acc00
-        acc10 = acc00
-        acc11 = acc00
-        if SUB_K == 2:
-            acc01 = _given_gradient(x_ptr, rn0, rk1, N, K, stride_xt, stride_xk)
-        if SUB_N == 2:
-            acc10 = _given_gradient(x_ptr, rn1, rk0, N, K, stride_xt, stride_xk)
-            if SUB_K == 2:
-                acc11 = _given_gradient(x_ptr, rn1, rk1, N, K, stride_xt, stride_xk)
-    else:
-        acc00 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc01 = acc00
-        acc10 = acc00
-        acc11 = acc00
-        for t0 in range(0, T, BLOCK_T):
-            t = t0 + rt
-            dy0 = tl.load(dy_ptr + rn0[:, None] * stride_dyn + t[None, :] * stride_dyt,
-                          mask=(rn0[:, None] < N) & (t[None, :] < T), other=0.0)
-            x0 = tl.load(x_ptr + t[:, None] * stride_xt + rk0[None, :] * stride_xk,
-                         mask=(t[:, None] < T) & (rk0[None, :] < K), other=0.0)
-            acc00 += _dot(dy0, x0, DOT_FP32)
-            if SUB_K == 2:
-                x1 = tl.load(x_ptr + t[:, None] * stride_xt + rk1[None, :] * stride_xk,
-                             mask=(t[:, None] < T) & (rk1[None, :] < K), other=0.0)
-                acc01 += _dot(dy0, x1, DOT_FP32)
-            if SUB_N == 2:
-                dy1 = tl.load(dy_ptr + rn1[:, None] * stride_dyn + t[None, :] * stride_dyt,
-                              mask=(rn1[:, None] < N) & (t[None, :] < T), other=0.0)
-                acc10 += _dot(dy1, x0, DOT_FP32)
-                if SUB_K == 2:
-                    acc11 += _dot(dy1, x1, DOT_FP32)
-
-    # the rule, tile by tile (a tile beyond the weight stores nothing: its masks are empty)
-    pointers = (w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr)
-    update_tile(acc00, rn0, rk0, pid_k, pointers, N, K, KB, stride_wn, stride_wk,
-                RULE_UPDATE, S0, S1, S2, QUANTISED, W_BF16, STOCHASTIC, EVEN, BLOCK_N, BLOCK_K)
-    if SUB_K == 2:
-        update_tile(acc01, rn0, rk1, pid_k + 1, pointers, N, K, KB, stride_wn, stride_wk,
-                    RULE_UPDATE, S0, S1, S2, QUANTISED, W_BF16, STOCHASTIC, EVEN, BLOCK_N, BLOCK_K)
-    if SUB_N == 2:
-        update_tile(acc10, rn1, rk0, pid_k, pointers, N, K, KB, stride_wn, stride_wk,
-                    RULE_UPDATE, S0, S1, S2, QUANTISED, W_BF16, STOCHASTIC, EVEN, BLOCK_N, BLOCK_K)
-        if SUB_K == 2:
-            update_tile(acc11, rn1, rk1, pid_k + 1, pointers, N, K, KB, stride_wn, stride_wk,
-                        RULE_UPDATE, S0, S1, S2, QUANTISED, W_BF16, STOCHASTIC, EVEN, BLOCK_N, BLOCK_K)
-
-
 # the compiled kernel takes constexpr values too, in the kernel's parameter order
 _CONSTEXPR_NAMES = [p.name for p in getattr(fused_update_kernel, "params", ()) if p.is_constexpr]
 
 
 def default_config(N: int, K: int, T: int) -> dict:
-    """Tiles and launch options for one layer shape (benchmarks/NOTES.md): ``blocks`` is
-    one tile (BLOCK_N, BLOCK_K, BLOCK_T), ``subtiles`` how many tiles (along N, along K)
-    one program owns."""
+    """Tile shape and launch options for one layer shape (benchmarks/NOTES.md)."""
     if INTERPRETER:  # fewer, larger programs: the interpreter runs them one by one
-        return dict(blocks=(64, 64, 64), subtiles=(1, 1), num_warps=4, num_stages=1, maxnreg=None)
+        return dict(blocks=(64, 64, 64), num_warps=4, num_stages=1, maxnreg=None)
     # best single config over Llama-3.1-8B's shapes; 168 registers let three programs
     # share a multiprocessor instead of two (benchmarks/NOTES.md)
-    return dict(blocks=(64, 64, 64), subtiles=(1, 1), num_warps=4, num_stages=4, maxnreg=168)
+    return dict(blocks=(64, 64, 64), num_warps=4, num_stages=4, maxnreg=168)
 
 
 def default_blocks(N: int, K: int, T: int) -> tuple[int, int, int]:
@@ -265,17 +196,12 @@ def kernel_call(
     blocks: tuple[int, int, int] | None = None,
     dot_fp32: bool | None = None,
     grad_given: bool = False,
-    subtiles: tuple[int, int] = (1, 1),
 ) -> tuple[tuple, list, dict]:
     """(grid, positional arguments, constexpr arguments) of the launch for these tensors;
     tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py)."""
     N, K = weight.shape
     T = 0 if grad_given else x.shape[0]  # grad_given: x is the (N, K) gradient, dy unused
     BN, BK, BT = blocks or default_config(N, K, T)["blocks"]
-    SN, SK = subtiles
-    if SN not in (1, 2) or SK not in (1, 2):
-        raise ValueError(f"subtiles={subtiles}: a program owns 1 or 2 tiles along each axis; use (1, 1), "
-                         "(1, 2), (2, 1) or (2, 2)")
     kinds = [storage_kind(s) for s in slots]
     quantised = any(isinstance(s, QuantisedSlot) for s in slots)
     if quantised and BK % codecs.BLOCK:
@@ -294,10 +220,10 @@ def kernel_call(
         RULE_UPDATE=RULE_UPDATES[rule_name],
         S0=kinds[0], S1=kinds[1], S2=kinds[2], QUANTISED=quantised,
         W_BF16=weight.dtype == torch.bfloat16, STOCHASTIC=stochastic,
-        DOT_FP32=dot_fp32, GRAD_GIVEN=grad_given, EVEN=N % (SN * BN) == 0 and K % (SK * BK) == 0,
-        BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT, SUB_N=SN, SUB_K=SK,
+        DOT_FP32=dot_fp32, GRAD_GIVEN=grad_given, EVEN=N % BN == 0 and K % BK == 0,
+        BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT,
     )
-    return (triton.cdiv(N, SN * BN), triton.cdiv(K, SK * BK)), positional, constexprs
+    return (triton.cdiv(N, BN), triton.cdiv(K, BK)), positional, constexprs
 
 
 # Triton's JIT dispatch costs ~60 us of host time a launch (it re-derives the kernel's
@@ -318,8 +244,7 @@ def _specialisation(positional: list) -> tuple:
 # can flip a sign and move a bf16 state by thousands of ulps) agree on every device.
 def compile_options(config: dict) -> dict:
     """Triton's compile options for default_config's launch options (num_warps,
-    num_stages, maxnreg: a register cap per thread, None for none; blocks and subtiles
-    are the kernel's constexprs)."""
+    num_stages, maxnreg: a register cap per thread, None for none)."""
     options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"], enable_fp_fusion=False)
     if config.get("maxnreg"):
         options["maxnreg"] = config["maxnreg"]
@@ -348,7 +273,7 @@ def _launch(grid, positional, constexprs, config: dict) -> None:
 def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
                         **options) -> None:
     """One fused step of one layer (arguments as in kernel_call). ``options``: launch
-    options (subtiles, num_warps, num_stages, maxnreg) in place of default_config's."""
+    options (num_warps, num_stages, maxnreg) in place of default_config's."""
     config = default_config(*weight.shape, x.shape[0])
     known = sorted(set(config) - {"blocks"})
     unknown = sorted(set(options) - set(known))
@@ -356,7 +281,7 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
         raise TypeError(f"unknown launch option(s) {unknown}: the fused kernel takes {known}")
     config = {**config, **options}
     grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic,
-                                               blocks or config["blocks"], subtiles=config["subtiles"])
+                                               blocks or config["blocks"])
     _launch(grid, positional, constexprs, config)
 
 
