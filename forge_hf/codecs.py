@@ -7,8 +7,8 @@ own blocks in registers. Metadata is laid out (out_features, ceil(in_features / 
 meta_width) in logical coordinates, whatever the parameter's storage orientation (Conv1D).
 
 * ``absmax8``: symmetric absmax int8 (paper §2.3 and Appendix B; the quantisation seed's
-  UF8): scale s = absmax / 127 per block, code round(x * (127 / absmax)) in [-127, 127],
-  error <= s / 2 (up to fp32 rounding of the two factors).
+  UF8): scale s = absmax / 127 per block, code round(x * (127 / absmax)) in [-127, 127]
+  (to nearest, ties to even), error <= s / 2 (up to fp32 rounding of the two factors).
 * ``absmax8_floored``: absmax8 for a state that is never negative (int8 second moments): a
   positive value keeps at least code 1, so 1/sqrt(v) never meets a zero that was not
   there (Appendix B). Such values err by up to one step instead of half.
@@ -36,6 +36,7 @@ import torch
 from .rules import bind_ops
 
 BLOCK = 64
+ROUNDER = 12582912.0  # 1.5 * 2**23 (absmax_encode)
 MIN_LOG_WIDTH = 0.0625  # al8: a block of (nearly) equal values still gets a resolvable grid
 
 # Storage kinds, as the kernel's per-slot compile-time selector.
@@ -46,18 +47,26 @@ NONE, FP32, BF16, ABSMAX8, ABSMAX8_FLOORED, AL8 = range(6)
 # x, valid, u, codes: (..., BLOCK), one block per row of the last axis; metadata: (...).
 
 
-def absmax_encode(x, valid, positive_min):
-    """Codes in [-127, 127] (as floats) and the per-block scale. ``positive_min`` is 1 to
-    floor positive values at one step, 0 to leave them alone."""
+def absmax_encode(x, valid):
+    """The codes in [-127, 127] as *biased* floats, ROUNDER + code, and the per-block
+    scale. Adding ROUNDER (1.5 * 2**23, where the float grid's step is 1) rounds x / s to
+    the nearest integer, ties to even, and leaves that integer as the low bits of the
+    float's pattern: the kernel stores the low byte and needs neither a rounding nor a
+    float-to-integer conversion (both run at 1/8 of the FP32 rate on the GPU: they were
+    most of the int8 state's extra cost; benchmarks/NOTES.md). No clamp: |x| <= amax, so
+    |x * (127 / amax)| exceeds 127 by at most two roundings and rounds back to 127."""
     amax = ops.maximum(ops.max(ops.where(valid, ops.abs(x), 0.0), axis=-1), 1e-30)
     # One correctly rounded division per block (div_rn: the GPU's default division is
     # approximate), then a product per element: a division per element cost the kernel
     # ~12%. Equal inputs give equal codes on every backend, ties included.
     inverse = ops.div_rn(127.0, amax)
-    codes = ops.floor(x * ops.expand_dims(inverse, -1) + 0.5)
-    codes = ops.minimum(ops.maximum(codes, -127.0), 127.0)
-    codes = ops.where(x > 0.0, ops.maximum(codes, positive_min), codes)
-    return codes, ops.div_rn(amax, 127.0)
+    biased = x * ops.expand_dims(inverse, -1) + 12582912.0  # ROUNDER
+    return biased, ops.div_rn(amax, 127.0)
+
+
+def floor_positive(biased, x):
+    """absmax8_floored: a positive value keeps at least code 1."""
+    return ops.where(x > 0.0, ops.maximum(biased, 12582913.0), biased)  # ROUNDER + 1
 
 
 def absmax_decode(codes, scale):
@@ -150,8 +159,8 @@ TORCH_OPS = types.SimpleNamespace(
     where=torch.where, abs=torch.abs, floor=torch.floor, log2=torch.log2, exp2=torch.exp2,
     div_rn=_div_rn, expand_dims=torch.unsqueeze,
 )
-_absmax_encode, _absmax_decode, _log_encode, _log_decode = (
-    bind_ops(f, TORCH_OPS) for f in (absmax_encode, absmax_decode, log_encode, log_decode))
+_absmax_encode, _floor_positive, _absmax_decode, _log_encode, _log_decode = (
+    bind_ops(f, TORCH_OPS) for f in (absmax_encode, floor_positive, absmax_decode, log_encode, log_decode))
 
 
 def _blocked(x: torch.Tensor, fill=0.0) -> torch.Tensor:
@@ -180,7 +189,10 @@ def encode(codec: Codec, x: torch.Tensor, u: torch.Tensor | float = 0.5):
         codes, lo, width = _log_encode(x3, valid, u3)
         meta = torch.stack([lo, width], dim=-1)
     else:
-        codes, scale = _absmax_encode(x3, valid, 1.0 if codec.kind == ABSMAX8_FLOORED else 0.0)
+        biased, scale = _absmax_encode(x3, valid)
+        if codec.kind == ABSMAX8_FLOORED:
+            biased = _floor_positive(biased, x3)
+        codes = biased - ROUNDER
         meta = scale[..., None]
     return codes.flatten(1)[:, :cols].to(codec.code_dtype), meta
 

@@ -58,6 +58,23 @@ def _assert_slots_agree(a, b, what):
     torch.testing.assert_close(a.meta, b.meta, rtol=1e-5, atol=1e-30, msg=what)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_int8_codes_round_to_nearest_ties_to_even(backend):
+    """SGD's momentum buffer after one step is the gradient; one token with dy = 1 makes
+    each gradient row x, whose block has absmax 127 (scale 1), so the codes are x rounded:
+    exactly, ties to even, on both backends; 127 and -127 stay in range."""
+    ties = [127.0, 0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, 126.5, -126.5, -127.0, 0.25, -0.75]
+    x = torch.zeros(1, 64, device=DEVICE)
+    x[0, :len(ties)] = torch.tensor(ties)
+    layer = ForgeLinear.from_linear(torch.nn.Linear(64, 3, bias=False, device=DEVICE), optimizer="sgd",
+                                    momentum=0.9, lr=1e-3, state_precision="int8", backend=backend)
+    layer(x).backward(torch.ones(1, 3, device=DEVICE))
+    buf = layer.forge_state.slots[0]
+    expected = [127, 0, 2, 2, 4, 0, -2, -2, 126, -126, -127, 0, -1] + [0] * (64 - len(ties))
+    assert buf.codes.tolist() == [expected] * 3
+    assert buf.meta.flatten().tolist() == [1.0] * 3
+
+
 @pytest.mark.parametrize("precision", ["int8", "al8"])
 @pytest.mark.parametrize("rule", ["adamw", "rmsprop", "adagrad", "sgd"])
 def test_triton_matches_reference(rule, precision):

@@ -20,15 +20,24 @@ ABSMAX8_FLOORED = tl.constexpr(codecs.ABSMAX8_FLOORED)
 AL8 = tl.constexpr(codecs.AL8)
 QBLOCK = tl.constexpr(codecs.BLOCK)
 
-absmax_encode, absmax_decode, log_encode, log_decode = (
+absmax_encode, floor_positive, absmax_decode, log_encode, log_decode = (
     triton.jit(bind_ops(f, tl)) for f in
-    (codecs.absmax_encode, codecs.absmax_decode, codecs.log_encode, codecs.log_decode))
+    (codecs.absmax_encode, codecs.floor_positive, codecs.absmax_decode, codecs.log_encode, codecs.log_decode))
+ROUNDER_BITS = tl.constexpr(0x4B400000)  # codecs.ROUNDER's bit pattern
 
 
 @triton.jit
 def uniform(bits):
     """Uniform [0, 1) from 16 random bits (codecs.uniform)."""
     return bits.to(tl.float32) * 1.52587890625e-05  # 2**-16
+
+
+@triton.jit
+def code_to_float(codes):
+    """An 8-bit code (int8 or uint8) as fp32 without a conversion instruction (1/8 of the
+    FP32 rate): its bits, extended to 32, added to ROUNDER's pattern make the float
+    ROUNDER + code (codecs.absmax_encode)."""
+    return (codes.to(tl.int32) + ROUNDER_BITS).to(tl.float32, bitcast=True) - 12582912.0
 
 
 @triton.jit
@@ -58,12 +67,13 @@ def decode_state(raw, meta_ptr, block, block_mask,
     elif KIND == BF16:
         value = decode_value(raw, True)
     else:
-        codes = tl.reshape(raw.to(tl.float32), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         if KIND == AL8:
+            codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
             lo = tl.load(meta_ptr + 2 * block, mask=block_mask, other=0.0)
             width = tl.load(meta_ptr + 2 * block + 1, mask=block_mask, other=0.0)
             value = tl.reshape(log_decode(codes, lo, width), (BLOCK_N, BLOCK_K))
         else:
+            codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
             scale = tl.load(meta_ptr + block, mask=block_mask, other=0.0)
             value = tl.reshape(absmax_decode(codes, scale), (BLOCK_N, BLOCK_K))
     return value
@@ -93,9 +103,10 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
             tl.store(meta_ptr + 2 * block + 1, width, mask=block_keep)
             tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep)
         else:
+            biased, scale = absmax_encode(x, valid)
             if KIND == ABSMAX8_FLOORED:
-                codes, scale = absmax_encode(x, valid, 1.0)
-            else:
-                codes, scale = absmax_encode(x, valid, 0.0)
+                biased = floor_positive(biased, x)
             tl.store(meta_ptr + block, scale, mask=block_keep)
-            tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.int8), mask=keep)
+            # the code is the low byte of the biased float's pattern (two's complement)
+            codes = tl.reshape(biased, (BLOCK_N, BLOCK_K)).to(tl.int32, bitcast=True).to(tl.int8)
+            tl.store(ptr + offs, codes, mask=keep)
