@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .. import codecs
 from ..rules import bind_ops
-from .storage import decode_value, load_tile, slot_bits, store_value
+from .storage import STREAM, decode_value, load_tile, slot_bits, store_value
 
 NONE = tl.constexpr(codecs.NONE)
 FP32 = tl.constexpr(codecs.FP32)
@@ -69,12 +69,12 @@ def decode_state(raw, meta_ptr, block, block_mask,
     else:
         if KIND == AL8:
             codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
-            lo = tl.load(meta_ptr + 2 * block, mask=block_mask, other=0.0)
-            width = tl.load(meta_ptr + 2 * block + 1, mask=block_mask, other=0.0)
+            lo = tl.load(meta_ptr + 2 * block, mask=block_mask, other=0.0, eviction_policy=STREAM)
+            width = tl.load(meta_ptr + 2 * block + 1, mask=block_mask, other=0.0, eviction_policy=STREAM)
             value = tl.reshape(log_decode(codes, lo, width), (BLOCK_N, BLOCK_K))
         else:
             codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
-            scale = tl.load(meta_ptr + block, mask=block_mask, other=0.0)
+            scale = tl.load(meta_ptr + block, mask=block_mask, other=0.0, eviction_policy=STREAM)
             value = tl.reshape(absmax_decode(codes, scale), (BLOCK_N, BLOCK_K))
     return value
 
@@ -99,14 +99,14 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
             else:
                 u = 0.5
             codes, lo, width = log_encode(x, valid, u)
-            tl.store(meta_ptr + 2 * block, lo, mask=block_keep)
-            tl.store(meta_ptr + 2 * block + 1, width, mask=block_keep)
-            tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep)
+            tl.store(meta_ptr + 2 * block, lo, mask=block_keep, eviction_policy=STREAM)
+            tl.store(meta_ptr + 2 * block + 1, width, mask=block_keep, eviction_policy=STREAM)
+            tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep, eviction_policy=STREAM)
         else:
             biased, scale = absmax_encode(x, valid)
             if KIND == ABSMAX8_FLOORED:
                 biased = floor_positive(biased, x)
-            tl.store(meta_ptr + block, scale, mask=block_keep)
+            tl.store(meta_ptr + block, scale, mask=block_keep, eviction_policy=STREAM)
             # the code is the low byte of the biased float's pattern (two's complement)
             codes = tl.reshape(biased, (BLOCK_N, BLOCK_K)).to(tl.int32, bitcast=True).to(tl.int8)
-            tl.store(ptr + offs, codes, mask=keep)
+            tl.store(ptr + offs, codes, mask=keep, eviction_policy=STREAM)
