@@ -10,7 +10,7 @@ import triton.language as tl
 
 from forge_hf import rules
 from forge_hf.kernels import codecs as kernel_codecs
-from forge_hf.kernels import fused_update, storage
+from forge_hf.kernels import fused_update
 
 
 @triton.jit
@@ -45,17 +45,9 @@ def _adamw_reciprocal(w, g, m, v, s2, decay, omb1, b2, omb2, bc2_sqrt, eps, neg_
 
 
 @triton.jit
-def _block_index_transposed(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
-    # metadata stored (blocks per row, out_features): a tile's 64 rows of one block column
-    # are contiguous (256 bytes) instead of 64 scattered words
-    kb = pid_k * (BLOCK_K // 64) + tl.arange(0, BLOCK_K // 64)
-    return kb[None, :] * N + rn[:, None], (rn[:, None] < N) & (kb[None, :] < KB)
-
-
-@triton.jit
 def _block_index_masked(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
     kb = pid_k * (BLOCK_K // 64) + tl.arange(0, BLOCK_K // 64)
-    return rn[:, None] * KB + kb[None, :], (rn[:, None] < 0) & (kb[None, :] < 0)
+    return kb[None, :] * N + rn[:, None], (rn[:, None] < 0) & (kb[None, :] < 0)
 
 
 def _set(module, name, value):
@@ -70,12 +62,10 @@ VARIANTS = {
                                   _set(kernel_codecs, "load_tile", _zeros_tile)),
     "mainloop_only": lambda: (_set(fused_update, "store_value", _no_store_value),
                               _set(fused_update, "store_state", _no_store_state)),
-    "no_cache_hints": lambda: (_set(storage, "STREAM", tl.constexpr("")), _set(kernel_codecs, "STREAM", tl.constexpr(""))),
     "no_meta": lambda: _set(fused_update, "block_index", _block_index_masked),  # 8-bit: no metadata traffic
     # candidates (int8's product by the block's reciprocal, measured here, is now the codec's)
     "rule_reciprocal": lambda: fused_update.RULE_UPDATES.__setitem__(
         "adamw", triton.jit(rules.bind_ops(_adamw_reciprocal, tl))),
-    "meta_transposed": lambda: _set(fused_update, "block_index", _block_index_transposed),
 }
 
 

@@ -153,6 +153,21 @@ def test_launcher_refuses_blocks_that_split_codec_blocks():
                             torch.zeros(2), "adamw", True, blocks=(64, 32, 64))
 
 
+def test_launcher_refuses_metadata_in_another_layout():
+    """Metadata is stored block column by block column (codecs.meta_strides); a contiguous
+    (rows, blocks, width) tensor would be read at the wrong addresses, so it is refused."""
+    layer = _trained("int8", "reference", steps=1)
+    slots = layer.forge_state.kernel_slots()
+    slots[0] = QuantisedSlot(slots[0].codec, slots[0].codes, slots[0].meta.contiguous())
+    before = layer.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"absmax8 metadata of shape \(70, 3, 1\) and strides \(3, 1, 1\) "
+                                         r"does not fit a \(70, 130\) weight: it must be \(70, 3, 1\) with "
+                                         r"strides \(1, 70, 1\)"):
+        launch_fused_update(torch.randn(4, 130), torch.randn(4, 70), layer.weight.data, slots,
+                            torch.zeros(15, dtype=torch.int32), torch.zeros(2), "adamw", True)
+    assert torch.equal(layer.weight, before)
+
+
 def test_launcher_refuses_an_unknown_launch_option():
     layer = _trained("bf16", "reference", steps=1)
     with pytest.raises(TypeError, match=r"unknown launch option\(s\) \['num_warp'\].*'num_warps'"):
@@ -188,6 +203,20 @@ def test_state_dict_round_trips_codes_exactly(precision):
     assert torch.equal(a.weight, b.weight)
     for sa, sb in zip(a.forge_state.slots[:2], b.forge_state.slots[:2]):
         assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.meta, sb.meta)
+
+
+def test_contiguous_metadata_of_older_checkpoints_loads_into_the_kernel_layout():
+    """Checkpoints written before metadata was stored block column by block column hold it
+    contiguous (rows, blocks, width): the values are copied into the layout the kernel reads."""
+    a = _trained("int8", "reference", steps=2)
+    sd = a.forge_state.state_dict()
+    sd = _reloaded({k: (v.contiguous() if k.endswith("_meta") else v) for k, v in sd.items()})
+    b = ForgeLinear.from_linear(torch.nn.Linear(130, 70, bias=False, device=DEVICE), state_precision="int8",
+                                seed=11, lr=LR, backend="reference")
+    b.forge_state.load_state_dict(sd, b.weight)
+    for sa, sb in zip(a.forge_state.slots[:2], b.forge_state.slots[:2]):
+        assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.meta, sb.meta)
+        assert sb.meta.stride() == (1, 70, 1) and not sb.meta.is_contiguous()
 
 
 @pytest.mark.parametrize("source,target", [("al8", "fp32"), ("fp32", "int8"), ("int8", "al8"), ("al8", "bf16")])

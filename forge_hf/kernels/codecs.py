@@ -3,7 +3,7 @@
 An 8-bit tile (BLOCK_N, BLOCK_K) is viewed as (BLOCK_N, BLOCK_K // 64, 64), so each codec
 block is one row of the last axis and its statistics are one reduction. The codec
 arithmetic is forge_hf/codecs.py's, bound to triton.language here. Metadata is addressed
-by block index ``row * blocks_per_row + column // 64`` (codecs.py's logical layout).
+by block index ``(column // 64) * out_features + row`` (codecs.meta_strides).
 """
 
 import triton
@@ -11,11 +11,12 @@ import triton.language as tl
 
 from .. import codecs
 from ..rules import bind_ops
-from .storage import STREAM, decode_value, load_tile, slot_bits, store_value
+from .storage import decode_value, load_tile, slot_bits, store_value
 
 NONE = tl.constexpr(codecs.NONE)
 FP32 = tl.constexpr(codecs.FP32)
 BF16 = tl.constexpr(codecs.BF16)
+ABSMAX8 = tl.constexpr(codecs.ABSMAX8)
 ABSMAX8_FLOORED = tl.constexpr(codecs.ABSMAX8_FLOORED)
 AL8 = tl.constexpr(codecs.AL8)
 QBLOCK = tl.constexpr(codecs.BLOCK)
@@ -42,9 +43,10 @@ def code_to_float(codes):
 
 @triton.jit
 def block_index(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
-    """Metadata index (BLOCK_N, BLOCK_K // 64) of the tile's codec blocks, and its mask."""
+    """Metadata index (BLOCK_N, BLOCK_K // 64) of the tile's codec blocks, and its mask:
+    block column by block column (codecs.meta_strides), so a tile's rows are contiguous."""
     kb = pid_k * (BLOCK_K // QBLOCK) + tl.arange(0, BLOCK_K // QBLOCK)
-    return rn[:, None] * KB + kb[None, :], (rn[:, None] < N) & (kb[None, :] < KB)
+    return kb[None, :] * N + rn[:, None], (rn[:, None] < N) & (kb[None, :] < KB)
 
 
 @triton.jit
@@ -59,23 +61,36 @@ def load_state_raw(ptr, offs, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def decode_state(raw, meta_ptr, block, block_mask,
-                 KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def load_meta(meta_ptr, block, block_mask, KIND: tl.constexpr):
+    """The tile's per-block metadata of an 8-bit slot, (scale, unused) or (lo, width);
+    zeros for other slots. Small: the kernel loads it before its token loop, whose time
+    hides the load's latency."""
+    if KIND == AL8:
+        first = tl.load(meta_ptr + 2 * block, mask=block_mask, other=0.0)
+        second = tl.load(meta_ptr + 2 * block + 1, mask=block_mask, other=0.0)
+    elif KIND >= ABSMAX8:
+        first = tl.load(meta_ptr + block, mask=block_mask, other=0.0)
+        second = first
+    else:
+        first = 0.0
+        second = 0.0
+    return first, second
+
+
+@triton.jit
+def decode_state(raw, meta, KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 values of what load_state_raw read, with load_meta's ``meta``."""
     # if/elif, not `a or b`: compiled Triton folds only plain constexpr comparisons
     if KIND == FP32:
         value = decode_value(raw, False)
     elif KIND == BF16:
         value = decode_value(raw, True)
     else:
+        codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         if KIND == AL8:
-            codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
-            lo = tl.load(meta_ptr + 2 * block, mask=block_mask, other=0.0, eviction_policy=STREAM)
-            width = tl.load(meta_ptr + 2 * block + 1, mask=block_mask, other=0.0, eviction_policy=STREAM)
-            value = tl.reshape(log_decode(codes, lo, width), (BLOCK_N, BLOCK_K))
+            value = tl.reshape(log_decode(codes, meta[0], meta[1]), (BLOCK_N, BLOCK_K))
         else:
-            codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
-            scale = tl.load(meta_ptr + block, mask=block_mask, other=0.0, eviction_policy=STREAM)
-            value = tl.reshape(absmax_decode(codes, scale), (BLOCK_N, BLOCK_K))
+            value = tl.reshape(absmax_decode(codes, meta[0]), (BLOCK_N, BLOCK_K))
     return value
 
 
@@ -99,14 +114,14 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
             else:
                 u = 0.5
             codes, lo, width = log_encode(x, valid, u)
-            tl.store(meta_ptr + 2 * block, lo, mask=block_keep, eviction_policy=STREAM)
-            tl.store(meta_ptr + 2 * block + 1, width, mask=block_keep, eviction_policy=STREAM)
-            tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep, eviction_policy=STREAM)
+            tl.store(meta_ptr + 2 * block, lo, mask=block_keep)
+            tl.store(meta_ptr + 2 * block + 1, width, mask=block_keep)
+            tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep)
         else:
             biased, scale = absmax_encode(x, valid)
             if KIND == ABSMAX8_FLOORED:
                 biased = floor_positive(biased, x)
-            tl.store(meta_ptr + block, scale, mask=block_keep, eviction_policy=STREAM)
+            tl.store(meta_ptr + block, scale, mask=block_keep)
             # the code is the low byte of the biased float's pattern (two's complement)
             codes = tl.reshape(biased, (BLOCK_N, BLOCK_K)).to(tl.int32, bitcast=True).to(tl.int8)
-            tl.store(ptr + offs, codes, mask=keep, eviction_policy=STREAM)
+            tl.store(ptr + offs, codes, mask=keep)

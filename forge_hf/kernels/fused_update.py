@@ -9,7 +9,7 @@ into ``stats``.
 
 Shapes: x (T, K), dy (T, N), weight/states (N, K) through arbitrary strides, so a
 transposed (Conv1D) weight needs no copy. 8-bit states add fp32 metadata (N, KB, width),
-KB = ceil(K / 64), contiguous (codecs.py). ``args`` is int32: NUM_SCALARS fp32 bit
+KB = ceil(K / 64), stored block column by block column (codecs.meta_strides). ``args`` is int32: NUM_SCALARS fp32 bit
 patterns of the rule's constants, then the step, the rounding salt and the index of the
 weight's first row in the whole weight (the rounding bits follow the whole weight).
 """
@@ -25,7 +25,7 @@ import triton.language as tl
 from .. import codecs
 from ..codecs import QuantisedSlot, storage_kind
 from ..rules import RULES, bind_update
-from .codecs import NONE, block_index, decode_state, load_state_raw, store_state
+from .codecs import NONE, block_index, decode_state, load_meta, load_state_raw, store_state
 from .storage import decode_value, element_hash, load_tile, store_value
 
 # The interpreter multiplies bf16 bit patterns as integers in tl.dot: upcast there.
@@ -75,6 +75,21 @@ def fused_update_kernel(
     else:
         io_mask = mask
     offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
+    if QUANTISED:
+        block, block_mask = block_index(rn, tl.program_id(1), N, KB, BLOCK_K)
+    else:
+        block, block_mask = 0, False
+    # What the rule reads besides the tiles is loaded before the token loop, whose time
+    # hides the loads' latency: the rule's constants, the rounding's seed, 8-bit metadata.
+    c0, c1, c2, c3 = _scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3)
+    c4, c5, c6, c7 = _scalar(args_ptr, 4), _scalar(args_ptr, 5), _scalar(args_ptr, 6), _scalar(args_ptr, 7)
+    c8, c9, c10, c11 = _scalar(args_ptr, 8), _scalar(args_ptr, 9), _scalar(args_ptr, 10), _scalar(args_ptr, 11)
+    step = tl.load(args_ptr + 12).to(tl.uint32, bitcast=True)
+    salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
+    row0 = tl.load(args_ptr + 14)
+    meta0 = load_meta(m0_ptr, block, block_mask, S0)
+    meta1 = load_meta(m1_ptr, block, block_mask, S1)
+    meta2 = load_meta(m2_ptr, block, block_mask, S2)
 
     # Phase 1: the gradient tile, fp32 accumulation over tokens - or, for a tensor that
     # already has an ordinary gradient (ForgeOptimizer's non-fused ones), x_ptr is that
@@ -103,31 +118,19 @@ def fused_update_kernel(
     r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
     r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
     r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
-    if QUANTISED:
-        block, block_mask = block_index(rn, tl.program_id(1), N, KB, BLOCK_K)
-    else:
-        block, block_mask = 0, False
     s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     s1 = s0
     s2 = s0
     if S0 != NONE:
-        s0 = decode_state(r0, m0_ptr, block, block_mask, S0, BLOCK_N, BLOCK_K)
+        s0 = decode_state(r0, meta0, S0, BLOCK_N, BLOCK_K)
     if S1 != NONE:
-        s1 = decode_state(r1, m1_ptr, block, block_mask, S1, BLOCK_N, BLOCK_K)
+        s1 = decode_state(r1, meta1, S1, BLOCK_N, BLOCK_K)
     if S2 != NONE:
-        s2 = decode_state(r2, m2_ptr, block, block_mask, S2, BLOCK_N, BLOCK_K)
-    w, s0, s1, s2 = RULE_UPDATE(
-        w, acc, s0, s1, s2,
-        _scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3),
-        _scalar(args_ptr, 4), _scalar(args_ptr, 5), _scalar(args_ptr, 6), _scalar(args_ptr, 7),
-        _scalar(args_ptr, 8), _scalar(args_ptr, 9), _scalar(args_ptr, 10), _scalar(args_ptr, 11),
-    )
+        s2 = decode_state(r2, meta2, S2, BLOCK_N, BLOCK_K)
+    w, s0, s1, s2 = RULE_UPDATE(w, acc, s0, s1, s2, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11)
 
     # Phase 3: write back (the gradient tile is dropped here).
     if STOCHASTIC:
-        step = tl.load(args_ptr + 12).to(tl.uint32, bitcast=True)
-        salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
-        row0 = tl.load(args_ptr + 14)
         h = element_hash(((row0 + rn)[:, None] * K + rk[None, :]).to(tl.uint32, bitcast=True), salt, step)
     else:
         h = 0
@@ -177,9 +180,11 @@ def _slot_pointers(slot, weight: torch.Tensor, dummy: torch.Tensor):
     if isinstance(slot, QuantisedSlot):
         n, k = weight.shape
         meta_shape = (n, codecs.blocks_per_row(k), slot.codec.meta_width)
-        if tuple(slot.meta.shape) != meta_shape or not slot.meta.is_contiguous():
-            raise ValueError(f"{slot.codec.name} metadata of shape {tuple(slot.meta.shape)} does not fit a "
-                             f"({n}, {k}) weight: it must be contiguous {meta_shape} (ForgeState allocates it)")
+        strides = codecs.meta_strides(n, slot.codec)
+        if tuple(slot.meta.shape) != meta_shape or slot.meta.stride() != strides:
+            raise ValueError(f"{slot.codec.name} metadata of shape {tuple(slot.meta.shape)} and strides "
+                             f"{slot.meta.stride()} does not fit a ({n}, {k}) weight: it must be {meta_shape} "
+                             f"with strides {strides}, as QuantisedSlot.empty_like (ForgeState) allocates it")
         return slot.codes, slot.meta
     return _as_bits(slot), dummy
 

@@ -18,10 +18,6 @@ MIX_B = tl.constexpr(0xC2B2AE35)
 STEP_MUL = tl.constexpr(0x85EBCA77)
 SLOT_MUL = tl.constexpr(0x27D4EB2F)
 
-# An L2 hint: each weight and state tile is read and written once a step, so it is evicted
-# first, and the x and dy blocks that every tile of a row or column reads stay in L2.
-STREAM = tl.constexpr("evict_first")
-
 
 @triton.jit
 def mix32(h):
@@ -88,9 +84,9 @@ def decode_value(raw, IS_BF16: tl.constexpr):
 def load_tile(ptr, offsets, mask, EVEN: tl.constexpr):
     """A tile as stored; EVEN: it lies wholly inside the tensor, so no mask is applied."""
     if EVEN:
-        raw = tl.load(ptr + offsets, eviction_policy=STREAM)
+        raw = tl.load(ptr + offsets)
     else:
-        raw = tl.load(ptr + offsets, mask=mask, other=0, eviction_policy=STREAM)
+        raw = tl.load(ptr + offsets, mask=mask, other=0)
     return raw
 
 
@@ -98,6 +94,6 @@ def load_tile(ptr, offsets, mask, EVEN: tl.constexpr):
 def store_value(ptr, offsets, value, mask, h, slot: tl.constexpr,
                 IS_BF16: tl.constexpr, STOCHASTIC: tl.constexpr):
     if IS_BF16:
-        tl.store(ptr + offsets, fp32_to_bf16_bits(value, h, slot, STOCHASTIC), mask=mask, eviction_policy=STREAM)
+        tl.store(ptr + offsets, fp32_to_bf16_bits(value, h, slot, STOCHASTIC), mask=mask)
     else:
-        tl.store(ptr + offsets, value, mask=mask, eviction_policy=STREAM)
+        tl.store(ptr + offsets, value, mask=mask)
