@@ -31,6 +31,8 @@ from .storage import decode_value, element_hash, load_tile, store_value
 # The interpreter multiplies bf16 bit patterns as integers in tl.dot: upcast there.
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
+PREFETCH = tl.constexpr(0)  # experiment: 1 loads 8-bit state codes before the token loop, 2 every tile
+
 RULE_UPDATES = {name: triton.jit(bind_update(rule, tl)) for name, rule in RULES.items()}
 
 
@@ -90,6 +92,16 @@ def fused_update_kernel(
     meta0 = load_meta(m0_ptr, block, block_mask, S0)
     meta1 = load_meta(m1_ptr, block, block_mask, S1)
     meta2 = load_meta(m2_ptr, block, block_mask, S2)
+    if PREFETCH == 2:
+        w_raw = load_tile(w_ptr, offs, mask, EVEN)
+    if PREFETCH >= 1 and QUANTISED:
+        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
+        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
+        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
+    if PREFETCH == 2 and not QUANTISED:
+        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
+        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
+        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
 
     # Phase 1: the gradient tile, fp32 accumulation over tokens - or, for a tensor that
     # already has an ordinary gradient (ForgeOptimizer's non-fused ones), x_ptr is that
@@ -114,10 +126,13 @@ def fused_update_kernel(
 
     # Phase 2: the rule, on the same registers. (Loading these tiles before the token loop
     # was measured 2-5% slower: more live registers; benchmarks/NOTES.md.)
-    w = decode_value(load_tile(w_ptr, offs, mask, EVEN), W_BF16)
-    r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
-    r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
-    r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
+    if PREFETCH < 2:
+        w_raw = load_tile(w_ptr, offs, mask, EVEN)
+    w = decode_value(w_raw, W_BF16)
+    if PREFETCH == 0 or (PREFETCH == 1 and not QUANTISED):
+        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
+        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
+        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
     s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     s1 = s0
     s2 = s0
