@@ -62,8 +62,6 @@ VARIANTS = {
                                   _set(kernel_codecs, "load_tile", _zeros_tile)),
     "mainloop_only": lambda: (_set(fused_update, "store_value", _no_store_value),
                               _set(fused_update, "store_state", _no_store_state)),
-    "prefetch_codes": lambda: _set(fused_update, "PREFETCH", tl.constexpr(1)),
-    "prefetch_all": lambda: _set(fused_update, "PREFETCH", tl.constexpr(2)),
     "no_meta": lambda: _set(fused_update, "block_index", _block_index_masked),  # 8-bit: no metadata traffic
     # candidates (int8's product by the block's reciprocal, measured here, is now the codec's)
     "rule_reciprocal": lambda: fused_update.RULE_UPDATES.__setitem__(

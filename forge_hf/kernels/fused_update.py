@@ -31,8 +31,6 @@ from .storage import decode_value, element_hash, load_tile, store_value
 # The interpreter multiplies bf16 bit patterns as integers in tl.dot: upcast there.
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
-PREFETCH = tl.constexpr(0)  # experiment: 1 loads 8-bit state codes before the token loop, 2 every tile
-
 RULE_UPDATES = {name: triton.jit(bind_update(rule, tl)) for name, rule in RULES.items()}
 
 
@@ -81,8 +79,9 @@ def fused_update_kernel(
         block, block_mask = block_index(rn, tl.program_id(1), N, KB, BLOCK_K)
     else:
         block, block_mask = 0, False
-    # What the rule reads besides the tiles is loaded before the token loop, whose time
-    # hides the loads' latency: the rule's constants, the rounding's seed, 8-bit metadata.
+    # What the rule reads besides the weight and bf16/fp32 state tiles is loaded before the
+    # token loop, whose time hides the loads' latency: the rule's constants, the rounding's
+    # seed, 8-bit metadata (66.3 -> 58.6 ms with int8 state).
     c0, c1, c2, c3 = _scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3)
     c4, c5, c6, c7 = _scalar(args_ptr, 4), _scalar(args_ptr, 5), _scalar(args_ptr, 6), _scalar(args_ptr, 7)
     c8, c9, c10, c11 = _scalar(args_ptr, 8), _scalar(args_ptr, 9), _scalar(args_ptr, 10), _scalar(args_ptr, 11)
@@ -92,13 +91,10 @@ def fused_update_kernel(
     meta0 = load_meta(m0_ptr, block, block_mask, S0)
     meta1 = load_meta(m1_ptr, block, block_mask, S1)
     meta2 = load_meta(m2_ptr, block, block_mask, S2)
-    if PREFETCH == 2:
-        w_raw = load_tile(w_ptr, offs, mask, EVEN)
-    if PREFETCH >= 1 and QUANTISED:
-        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
-        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
-        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
-    if PREFETCH == 2 and not QUANTISED:
+    # 8-bit state codes too: a quarter of bf16's registers to hold through the loop, and
+    # the compiler then decodes and re-encodes them without fp32 layout conversions
+    # (58.7 -> 53.7 ms; bf16 or fp32 tiles loaded here were 1-5% slower: NOTES.md).
+    if QUANTISED:
         r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
         r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
         r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
@@ -124,12 +120,9 @@ def fused_update_kernel(
 
     ok = record_tile(stats_ptr, acc)
 
-    # Phase 2: the rule, on the same registers. (Loading these tiles before the token loop
-    # was measured 2-5% slower: more live registers; benchmarks/NOTES.md.)
-    if PREFETCH < 2:
-        w_raw = load_tile(w_ptr, offs, mask, EVEN)
-    w = decode_value(w_raw, W_BF16)
-    if PREFETCH == 0 or (PREFETCH == 1 and not QUANTISED):
+    # Phase 2: the rule, on the same registers.
+    w = decode_value(load_tile(w_ptr, offs, mask, EVEN), W_BF16)
+    if not QUANTISED:
         r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
         r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
         r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
