@@ -1,0 +1,87 @@
+"""What is alive at the peak of a graphed step's capture, against the eager step's peak.
+
+Records the CUDA caching allocator's history (torch.cuda.memory._record_memory_history)
+over one eager step and over the capture of forge's GraphedStep (Llama-3.1-8B shape, 1 x
+512, Liger's kernels without its cross-entropy, causal_lm_loss, recompute_swiglu, as in
+run_grid.py), replays each trace to find the moment of most allocated bytes, and groups the
+allocations alive then by the innermost frame of this project, transformers or Liger
+(else torch's). Usage: python benchmarks/capture_memory.py --state bf16 --out result.json
+"""
+
+import argparse
+import collections
+import json
+
+import torch
+
+from models import build_model
+from run_grid import make_optimizer
+
+OWN = ("forge_hf/", "transformers/", "liger_kernel/", "benchmarks/")
+
+
+def _site(frames) -> str:
+    for f in frames or ():
+        if any(k in f["filename"] for k in OWN):
+            return f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+    f = (frames or [{}])[0]
+    return f"{f.get('filename', '?').split('site-packages/')[-1]}:{f.get('line', '?')} {f.get('name', '?')}"
+
+
+def live_at_peak(trace) -> tuple[int, dict]:
+    """(bytes allocated at the trace's peak, {site: bytes alive then}) of the events
+    recorded; blocks allocated before recording are not in the trace."""
+    live, now, best, best_live = {}, 0, -1, {}
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _site(e.get("frames")))
+            now += e["size"]
+            if now > best:
+                best, best_live = now, dict(live)
+        elif e["action"] in ("free_requested",) and e["addr"] in live:
+            now -= live.pop(e["addr"])[0]
+    sites = collections.Counter()
+    for size, site in best_live.values():
+        sites[site] += size
+    return best, dict(sites.most_common(25))
+
+
+def recorded(fn):
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = [e for t in snap["device_traces"] for e in t]
+    extra, sites = live_at_peak(trace)
+    return dict(allocated_before_gib=base / 2**30, peak_gib=peak / 2**30, traced_peak_over_start_gib=extra / 2**30,
+                sites_mib={k: round(v / 2**20, 1) for k, v in sites.items()})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--state", default="bf16", choices=["bf16", "int8"])
+    ap.add_argument("--out", required=True)
+    opts = ap.parse_args()
+    import forge_hf
+
+    model = build_model(opts.model, liger=True, liger_ce=False)
+    opt = make_optimizer(f"forge_{opts.state}_graphed", model, recompute_swiglu=True)
+    data = torch.randint(0, model.config.vocab_size, (1, 512), device="cuda")
+    batch = dict(input_ids=data, labels=data)
+    step = forge_hf.GraphedStep(model, opt, forge_hf.causal_lm_loss, warmup_steps=2)
+    step(batch)  # states allocated, kernels compiled
+    result = dict(model=opts.model, state=opts.state, eager=recorded(lambda: step(batch)),
+                  capture=recorded(lambda: step(batch)), replay=recorded(lambda: step(batch)))
+    print(json.dumps(result, indent=1))
+    with open(opts.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
