@@ -32,12 +32,20 @@ def summarize(results):
         row = dict(model=model, cell=cell, arm=arm, status=rs[0]["status"] if not ok else "ok")
         if ok:
             for key in ("step_ms", "peak_gib", "tokens_per_s", "fused_kernel_ms"):
-                vals = [r[key] for r in ok if key in r]
+                vals = [_own(r, key) for r in ok if key in r]
                 if vals:
                     row[key] = statistics.median(vals)
             row["spread_ms"] = max(r["step_ms_q3"] - r["step_ms_q1"] for r in ok)
         rows.append(row)
     return rows
+
+
+def _own(result, key):
+    """A cell's value; its peak without what earlier cells in the process left allocated
+    (run_grid.py records that as allocated_at_start_gib)."""
+    if key == "peak_gib":
+        return result[key] - result.get("allocated_at_start_gib", 0.0)
+    return result[key]
 
 
 def markdown(rows):
@@ -49,7 +57,7 @@ def markdown(rows):
             continue
         kernel = f'{r["fused_kernel_ms"]:.1f}' if "fused_kernel_ms" in r else ""
         lines.append(f'| {r["model"]} | {r["cell"]} | {r["arm"]} | {r["step_ms"]:.1f} ({r["spread_ms"]:.1f}) '
-                     f'| {r["peak_gib"]:.1f} | {r["tokens_per_s"]:.0f} | {kernel} |')
+                     f'| {r["peak_gib"]:.2f} | {r["tokens_per_s"]:.0f} | {kernel} |')
     return "\n".join(lines) + "\n"
 
 
