@@ -8,7 +8,7 @@
 # GPU 0: bf16 state sweep; GPU 1: int8 state sweep, then the subtile tests.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 cd benchmarks
 CONFIGS="64,64,64,4,4,1,1,168;64,64,64,4,4,1,2,168;64,64,64,4,4,1,2,232;64,64,64,4,4,2,1,232;64,64,64,4,4,2,1,168;\
 64,64,64,4,3,1,2,232;64,64,32,4,4,1,2,232;64,64,64,8,4,2,2,0;64,64,64,8,3,2,2,0;64,64,64,8,4,2,2,128;64,64,64,4,4,2,2,255"

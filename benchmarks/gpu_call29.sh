@@ -10,14 +10,11 @@
 #    no_cache_hints measures that hint, bf16 and int8.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 cd benchmarks
-bench() { echo -n "$1 $2 $3: " >> $OUT/variants_$1.txt
-          CUDA_VISIBLE_DEVICES=$1 timeout 90 python3 kernel_microbench.py --state $2 --configs default --variant $3 \
-            --out $OUT/variant_$2_$3.json 2>&1 | tail -1 >> $OUT/variants_$1.txt; }
 step variants
-(for v in base no_cache_hints no_meta meta_transposed; do bench 0 int8 $v; done) &
-(for v in base no_cache_hints; do bench 1 bf16 $v; done; for v in mainloop_only no_epilogue_loads; do bench 1 int8 $v; done) &
+(for v in base no_cache_hints no_meta meta_transposed; do kernel_variant 0 int8 $v; done) &
+(for v in base no_cache_hints; do kernel_variant 1 bf16 $v; done; for v in mainloop_only no_epilogue_loads; do kernel_variant 1 int8 $v; done) &
 wait
 step done
 cat $OUT/variants_0.txt $OUT/variants_1.txt

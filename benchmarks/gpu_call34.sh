@@ -10,23 +10,13 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_tf/*.whl
 python3 -c "import transformers; print('transformers', transformers.__version__)" >> $LOG 2>&1 || { cat $LOG; exit 1; }
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 (gpu_tests 1 330) &
 cd benchmarks
 export CUDA_VISIBLE_DEVICES=0
 step capture; timeout 120 python3 capture_memory.py --state bf16 --out $OUT/capture_memory_llama8b_bf16_tf518.json > $OUT/capture_memory.txt 2>&1
-step grid; timeout 200 python3 run_grid.py --models llama-3.1-8b --cells 1x512 --liger --no-liger-ce --loss chunked \
-  --recompute-swiglu --arms adamw_fused,forge_bf16_graphed,forge_int8_graphed --steps 20 --rounds 2 \
-  --no-profile --out $OUT/grid_llama8b_1x512_graphed_tf518.json >> $LOG 2>&1
+llama_step_grid $OUT/grid_llama8b_1x512_graphed_tf518.json 2 200
 cd ..
-step "wait"; wait; grep -E "passed|failed|rc=" $OUT/gpu_pytest.log | tail -3 >> $LOG
-step done
-grep -E "^===|passed|failed|transformers" $LOG
-grep -E "^FAILED|^ERROR" $OUT/gpu_pytest.log | head -10
-python3 -c "
-import json
-d=json.load(open('$OUT/capture_memory_llama8b_bf16_tf518.json'))
-for k in ('eager','capture','replay'): print(k, round(d[k]['peak_gib'],3), list(d[k]['sites_mib'].items())[:6])
-d=json.load(open('$OUT/grid_llama8b_1x512_graphed_tf518.json'))
-for r in d['results']: print(r['arm'], r.get('round', ''), r['status'], r.get('step_ms'), r.get('peak_gib'), r.get('memory_phases_gib', {}).get('peak_capture_and_replay'), r.get('reason', '')[:300])
-"
+step "wait"; wait; finish
+show_capture $OUT/capture_memory_llama8b_bf16_tf518.json
+show_grid $OUT/grid_llama8b_1x512_graphed_tf518.json

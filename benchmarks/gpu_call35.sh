@@ -4,11 +4,7 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_tf/*.whl
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 cd benchmarks
 step capture; timeout 100 python3 capture_memory.py --state int8 --out $OUT/capture_memory_llama8b_int8_tf518.json > $OUT/capture_memory.txt 2>&1
-python3 -c "
-import json
-d=json.load(open('$OUT/capture_memory_llama8b_int8_tf518.json'))
-for k in ('eager','capture','replay'): print(k, round(d[k]['peak_gib'],4), list(d[k]['sites_mib'].items())[:4])
-"
+show_capture $OUT/capture_memory_llama8b_int8_tf518.json

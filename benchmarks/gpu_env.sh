@@ -7,3 +7,28 @@ step() { echo "=== $1 ($(date +%T))" >> $LOG; }
 # the test suite on one GPU (the Trainer refuses to run with two visible), in 4 workers
 gpu_tests() { CUDA_VISIBLE_DEVICES=$1 timeout $2 python3 -m pytest -q -p no:cacheprovider -n 4 tests > $OUT/gpu_pytest.log 2>&1
               echo "pytest rc=$?" >> $OUT/gpu_pytest.log; }
+# (run from benchmarks/) the graphed Llama-3.1-8B 1 x 512 step: fused AdamW eager against
+# forge graphed with bf16 and int8 state; $1 the JSON to write, $2 rounds, $3 timeout
+llama_step_grid() { step grid; timeout $3 python3 run_grid.py --models llama-3.1-8b --cells 1x512 --liger --no-liger-ce \
+                      --loss chunked --recompute-swiglu --arms adamw_fused,forge_bf16_graphed,forge_int8_graphed \
+                      --steps 20 --rounds $2 --no-profile --out $1 >> $LOG 2>&1; }
+show_grid() { python3 -c "
+import json
+for r in json.load(open('$1'))['results']:
+    print(r['arm'], r.get('round', ''), r['status'], r.get('step_ms'), r.get('peak_gib'), r.get('reason', '')[:300])"; }
+# the suite's outcome after `wait`, then the session log's steps and any failures
+finish() { grep -E "passed|failed|rc=" $OUT/gpu_pytest.log | tail -3 >> $LOG; step done
+           grep -E "^===|passed|failed|transformers" $LOG; grep -E "^FAILED|^ERROR" $OUT/gpu_pytest.log | head -10; }
+# (run from benchmarks/) one kernel variant's model sum: $1 GPU, $2 state, $3 variant
+kernel_variant() { echo -n "$1 $2 $3: " >> $OUT/variants_$1.txt
+                   CUDA_VISIBLE_DEVICES=$1 timeout 90 python3 kernel_microbench.py --state $2 --configs default --variant $3 \
+                     --out $OUT/variant_$2_$3.json 2>&1 | tail -1 >> $OUT/variants_$1.txt; }
+show_capture() { python3 -c "
+import json
+d = json.load(open('$1'))
+for k in ('eager', 'capture', 'replay'): print(k, round(d[k]['peak_gib'], 4), list(d[k]['sites_mib'].items())[:6])"; }
+install_forge() { step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1; }
+# (run from benchmarks/) the kernel's model sum per state: $1 the files' suffix, then states
+kernel_sums() { step kernel; local suffix=$1; shift
+                for p in "$@"; do timeout 90 python3 kernel_microbench.py --state $p --configs default \
+                  --out $OUT/kernel_microbench_llama8b_${p}_$suffix.json 2>&1 | tail -1 >> $OUT/kernel.txt; done; }
