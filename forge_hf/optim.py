@@ -134,20 +134,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # [squared sum, bad tiles] of the fused layers: whole weights, and data-parallel
-        # bands (this rank's rows only, summed over ranks). A few launches, not a few per layer.
-        whole, bands = [], []
+        # bands (this rank's rows only, summed over the ranks of the layer's own process
+        # group: another group's ranks hold other replicas). A few launches, not a few per layer.
+        whole, bands = [], {}  # bands: id(group) -> (group, stats)
         for layer in self._layers.values():
             dp = layer.__dict__.get("forge_dp")
             if dp is not None:
                 dp.wait()  # after step() every rank holds the whole updated weight
-            (bands if dp is not None and dp.mode == "sharded" else whole).append(layer.forge_stats)
+            if dp is not None and dp.mode == "sharded":
+                bands.setdefault(id(dp.group), (dp.group, []))[1].append(layer.forge_stats)
+            else:
+                whole.append(layer.forge_stats)
         totals = torch.zeros(2, device=self._device)
-        for stats in (whole, bands):
+        for group, stats in [(None, whole), *bands.values()]:
             if not stats:
                 continue
             part = torch.stack([s.to(self._device) for s in stats]).sum(0)
-            if stats is bands:
-                dist.all_reduce(part)
+            if stats is not whole:
+                dist.all_reduce(part, group=group)
             totals += part
             torch._foreach_zero_(stats)
         sq, bad = totals[0], totals[1]

@@ -301,3 +301,33 @@ def test_updated_rows_travel_on_their_own_process_group(monkeypatch):
     dp.share_rows(weight)
     dp.wait()
     assert fake.calls == [((16, 6), "rows")] and torch.equal(weight, torch.ones(32, 6))
+
+
+def test_optimizer_sums_band_statistics_over_each_layers_own_group(monkeypatch):
+    """Sharded layers hold statistics of their band only; ForgeOptimizer sums them over the
+    ranks of the layer's data-parallel group (not the default group, whose other ranks may
+    hold other replicas), one all-reduce per group; whole-weight statistics are not summed."""
+    import types
+
+    from forge_hf import ForgeLinear, ForgeOptimizer
+    from forge_hf import optim as forge_optim
+
+    calls = []
+
+    def all_reduce(t, group=None):  # as if the group held two ranks with the same statistics
+        calls.append((group, t.tolist()))
+        t.mul_(2)
+
+    monkeypatch.setattr(forge_optim.dist, "all_reduce", all_reduce)
+    model = torch.nn.Sequential(*(ForgeLinear.from_linear(torch.nn.Linear(8, 8, bias=False), backend="reference")
+                                  for _ in range(4)))
+    for layer, group in zip(model, ("dp_a", "dp_a", "dp_b", None)):
+        if group is not None:
+            layer.forge_dp = types.SimpleNamespace(mode="sharded", group=group, wait=lambda: None)
+    opt = ForgeOptimizer(model, lr=1e-3)
+    for i, layer in enumerate(model):
+        layer.forge_stats.copy_(torch.tensor([float(i + 1), 0.0]))
+    opt.step()
+    assert calls == [("dp_a", [3.0, 0.0]), ("dp_b", [3.0, 0.0])]
+    assert opt.last_grad_norm.item() == pytest.approx((4.0 + 2 * 3.0 + 2 * 3.0) ** 0.5)
+    assert all(float(layer.forge_stats.abs().sum()) == 0.0 for layer in model)
