@@ -84,6 +84,22 @@ def test_causal_lm_loss_is_huggingfaces_loss():
         causal_lm_loss(model, dict(input_ids=ids))
 
 
+def test_causal_lm_loss_builds_no_key_value_cache():
+    """A training forward has no use for transformers' cache (use_cache defaults to on);
+    the caller may still ask for one."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config)
+    assert model.config.use_cache
+    caches = []
+    forward = model.forward
+    model.forward = lambda **kw: caches.append(forward(**kw).past_key_values) or forward(**kw)
+    ids = torch.randint(0, 64, (1, 9))
+    causal_lm_loss(model, dict(input_ids=ids, labels=ids))
+    causal_lm_loss(model, dict(input_ids=ids, labels=ids, use_cache=True))
+    assert caches[0] is None and caches[1] is not None
+
+
 def test_a_second_backward_is_refused_not_computed_from_overwritten_logits():
     logits, targets = _logits_targets(torch.float32)
     x = logits.clone().requires_grad_()
