@@ -52,8 +52,8 @@ def absmax_encode(x, valid):
     scale. Adding ROUNDER (1.5 * 2**23, where the float grid's step is 1) rounds x / s to
     the nearest integer, ties to even, and leaves that integer as the low bits of the
     float's pattern: the kernel stores the low byte and needs neither a rounding nor a
-    float-to-integer conversion (both run at 1/8 of the FP32 rate on the GPU: they were
-    most of the int8 state's extra cost; benchmarks/NOTES.md). No clamp: |x| <= amax, so
+    float-to-integer conversion instruction (fewer instructions, though the int8 state's
+    time went elsewhere: benchmarks/NOTES.md). No clamp: |x| <= amax, so
     |x * (127 / amax)| exceeds 127 by at most two roundings and rounds back to 127."""
     amax = ops.maximum(ops.max(ops.where(valid, ops.abs(x), 0.0), axis=-1), 1e-30)
     # One correctly rounded division per block (div_rn: the GPU's default division is

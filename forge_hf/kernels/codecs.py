@@ -35,9 +35,9 @@ def uniform(bits):
 
 @triton.jit
 def code_to_float(codes):
-    """An 8-bit code (int8 or uint8) as fp32 without a conversion instruction (1/8 of the
-    FP32 rate): its bits, extended to 32, added to ROUNDER's pattern make the float
-    ROUNDER + code (codecs.absmax_encode)."""
+    """An 8-bit code (int8 or uint8) as fp32 without a conversion instruction: its bits,
+    extended to 32, added to ROUNDER's pattern make the float ROUNDER + code
+    (codecs.absmax_encode)."""
     return (codes.to(tl.int32) + ROUNDER_BITS).to(tl.float32, bitcast=True) - 12582912.0
 
 

@@ -9,9 +9,10 @@ into ``stats``.
 
 Shapes: x (T, K), dy (T, N), weight/states (N, K) through arbitrary strides, so a
 transposed (Conv1D) weight needs no copy. 8-bit states add fp32 metadata (N, KB, width),
-KB = ceil(K / 64), stored block column by block column (codecs.meta_strides). ``args`` is int32: NUM_SCALARS fp32 bit
-patterns of the rule's constants, then the step, the rounding salt and the index of the
-weight's first row in the whole weight (the rounding bits follow the whole weight).
+KB = ceil(K / 64), stored block column by block column (codecs.meta_strides). ``args`` is
+int32: NUM_SCALARS fp32 bit patterns of the rule's constants, then the step, the rounding
+salt and the index of the weight's first row in the whole weight (the rounding bits follow
+the whole weight).
 """
 
 from __future__ import annotations
