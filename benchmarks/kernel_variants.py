@@ -46,8 +46,9 @@ def _adamw_reciprocal(w, g, m, v, s2, decay, omb1, b2, omb2, bc2_sqrt, eps, neg_
 
 @triton.jit
 def _block_index_masked(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
-    kb = pid_k * (BLOCK_K // 64) + tl.arange(0, BLOCK_K // 64)
-    return kb[None, :] * N + rn[:, None], (rn[:, None] < 0) & (kb[None, :] < 0)
+    # the kernel's own indices with every element masked off: no metadata is read or written
+    block, block_mask = kernel_codecs.block_index(rn, pid_k, N, KB, BLOCK_K)
+    return block, block_mask & (block < 0)
 
 
 def _set(module, name, value):

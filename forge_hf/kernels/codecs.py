@@ -6,6 +6,8 @@ arithmetic is forge_hf/codecs.py's, bound to triton.language here. Metadata is a
 by block index ``(column // 64) * out_features + row`` (codecs.meta_strides).
 """
 
+import struct
+
 import triton
 import triton.language as tl
 
@@ -24,7 +26,8 @@ QBLOCK = tl.constexpr(codecs.BLOCK)
 absmax_encode, floor_positive, absmax_decode, log_encode, log_decode = (
     triton.jit(bind_ops(f, tl)) for f in
     (codecs.absmax_encode, codecs.floor_positive, codecs.absmax_decode, codecs.log_encode, codecs.log_decode))
-ROUNDER_BITS = tl.constexpr(0x4B400000)  # codecs.ROUNDER's bit pattern
+ROUNDER = tl.constexpr(codecs.ROUNDER)
+ROUNDER_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", codecs.ROUNDER))[0])  # 0x4B400000
 
 
 @triton.jit
@@ -38,7 +41,7 @@ def code_to_float(codes):
     """An 8-bit code (int8 or uint8) as fp32 without a conversion instruction: its bits,
     extended to 32, added to ROUNDER's pattern make the float ROUNDER + code
     (codecs.absmax_encode)."""
-    return (codes.to(tl.int32) + ROUNDER_BITS).to(tl.float32, bitcast=True) - 12582912.0
+    return (codes.to(tl.int32) + ROUNDER_BITS).to(tl.float32, bitcast=True) - ROUNDER
 
 
 @triton.jit
