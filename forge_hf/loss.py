@@ -69,15 +69,22 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     return ChunkedCrossEntropy.apply(logits, targets, ignore_index, chunk_rows)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     """The loss Hugging Face's causal LMs compute from ``batch["labels"]`` (each position
     predicts the next label; -100 is ignored), by ``cross_entropy`` above."""
     if "labels" not in batch:
         raise ValueError(f"the batch has no 'labels' (keys: {sorted(batch)}): a causal-LM loss needs them")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
-        # no key/value cache in a training forward: it would only hold memory (64 MB alive
-        # at the peak of a Llama-3.1-8B step at 512 tokens; benchmarks/NOTES.md)
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None and not _capturing():
+        # no key/value cache in an eager training forward: it would only hold memory (64 MB
+        # alive at the peak of a Llama-3.1-8B step at 512 tokens). Not while a CUDA graph is
+        # captured: without a cache, transformers checks position_ids for packed sequences,
+        # cannot while capturing, and builds a 4-D causal mask; SDPA's masked path then keeps
+        # the expanded keys and values (+0.2 GiB at that peak, benchmarks/NOTES.md).
         inputs.setdefault("use_cache", False)
     logits = model(**inputs).logits
     targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]

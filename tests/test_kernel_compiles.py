@@ -1,6 +1,6 @@
 """Compile the fused kernel for Hopper (sm_90) without a GPU.
 
-The interpreter runs kernels as Python, so errors that only the compiler sees (types of
+The interpreter runs Triton kernels as Python (and cannot run the Gluon one), so errors that only the compiler sees (types of
 branches, constexpr folding, global lookups) would wait for a GPU run. Triton's wheel
 carries ptxas, so the whole pipeline down to the cubin runs here; each variant is what
 launch_fused_update would launch for those tensors. The compiles run in one child process
@@ -62,10 +62,66 @@ def compile_all() -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def compiled():
+PERSISTENT_RULES = {"adagrad": {}, "adamw": {}, "lion": {}, "nadam": {}, "radam": {},
+                    "rmsprop": dict(momentum=0.9, centered=True), "sgd": {}, "sgd-momentum": dict(momentum=0.9)}
+
+
+def compile_persistent() -> dict:
+    """Run in the child: the persistent Gluon kernel as launch_persistent would launch it,
+    bf16 and int8 state, each rule (its own slots), stochastic and nearest rounding."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from forge_hf.kernels import persistent_launch as launch
+    from forge_hf.kernels.fused_update import RULE_UPDATES
+    from forge_hf.kernels.persistent_update import persistent_update_kernel, tensor_descriptor
+    from forge_hf.codecs import storage_kind
+    from forge_hf.rules import get_rule, make_group
+    from forge_hf.state import ForgeState
+
+    names = persistent_update_kernel.arg_names
+    results = {}
+    for key, hp in PERSISTENT_RULES.items():
+        for precision, stochastic in [("bf16", True), ("bf16", False), ("int8", True)]:
+            try:
+                rule = get_rule(key.split("-")[0])
+                weight = torch.zeros(128, 192, dtype=torch.bfloat16)
+                state = ForgeState(rule, precision, transposed=False)
+                state.allocate(weight, make_group(rule, hp))
+                slots = state.kernel_slots()
+                x, dy = torch.zeros(100, 192, dtype=torch.bfloat16), torch.zeros(100, 128, dtype=torch.bfloat16)
+                assert launch.layout_unsupported(x, dy, weight, slots) is None
+                stored = [weight.view(torch.int16)]
+                stored += [stored[0] if s is None else getattr(s, "codes", None) if hasattr(s, "codes")
+                           else s.view(torch.int16) for s in slots]
+                descs = [tensor_descriptor(x), tensor_descriptor(dy)] + [tensor_descriptor(t) for t in stored]
+                sig = {n: mangle_type(d) for n, d in zip(names, descs)}
+                sig.update(m0_ptr="*fp32", m1_ptr="*fp32", m2_ptr="*fp32", args_ptr="*i32", stats_ptr="*fp32",
+                           N="i32", K="i32", T="i32")
+                kinds = [storage_kind(s) for s in slots]
+                constexprs = dict(RULE_UPDATE=RULE_UPDATES[rule.name], S0=kinds[0], S1=kinds[1], S2=kinds[2],
+                                  STOCHASTIC=stochastic, NUM_BUF=launch.NUM_BUF, CONSUMER_REGS=launch.CONSUMER_REGS,
+                                  PRODUCER_REGS=launch.PRODUCER_REGS, ABLATE=0)
+                sig.update({k: "constexpr" for k in constexprs})
+                source = GluonASTSource(fn=persistent_update_kernel, signature=sig,
+                                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
+                options = dict(num_warps=4, maxnreg=launch.MAXNREG, enable_fp_fusion=False)
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+                # a Hopper multiprocessor gives a program at most 227 KB of shared memory
+                fits = compiled.metadata.shared <= 232448
+                results[f"{key}/{precision}/{stochastic}"] = "ok" if compiled.asm.get("cubin") and fits else \
+                    f"shared memory {compiled.metadata.shared}"
+            except Exception as e:
+                results[f"{key}/{precision}/{stochastic}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+    return results
+
+
+def _in_child(function: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json, test_kernel_compiles as t; print('RESULTS' + json.dumps(t.compile_all()))"
+    code = f"import json, test_kernel_compiles as t; print('RESULTS' + json.dumps(t.{function}()))"
     run = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
                          capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS")]
@@ -73,7 +129,23 @@ def compiled():
     return json.loads(lines[-1][len("RESULTS"):])
 
 
+@pytest.fixture(scope="module")
+def compiled():
+    return _in_child("compile_all")
+
+
+@pytest.fixture(scope="module")
+def compiled_persistent():
+    return _in_child("compile_persistent")
+
+
 @pytest.mark.parametrize("variant", WEIGHT_STATE)
 @pytest.mark.parametrize("rule_name", RULE_NAMES)
 def test_kernel_compiles_for_sm90(compiled, rule_name, variant):
     assert compiled[f"{rule_name}/{variant}"] == "ok", compiled[f"{rule_name}/{variant}"]
+
+
+@pytest.mark.parametrize("variant", ["bf16/True", "bf16/False", "int8/True"])
+@pytest.mark.parametrize("rule_key", sorted(PERSISTENT_RULES))
+def test_persistent_kernel_compiles_for_sm90(compiled_persistent, rule_key, variant):
+    assert compiled_persistent[f"{rule_key}/{variant}"] == "ok", compiled_persistent[f"{rule_key}/{variant}"]

@@ -100,6 +100,31 @@ def test_causal_lm_loss_builds_no_key_value_cache():
     assert caches[0] is None and caches[1] is not None
 
 
+def test_under_capture_the_cache_stays_so_sdpa_gets_no_mask(monkeypatch):
+    """Without a cache, transformers cannot check position_ids for packed sequences while a
+    CUDA graph is captured and builds a 4-D mask (SDPA's masked path keeps expanded keys and
+    values for backward); with its cache it passes none. Capture is emulated on CPU."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    from forge_hf import loss
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config)
+    masks = []
+    attention = sdpa.sdpa_attention_forward
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa",
+                        lambda module, q, k, v, mask, *a, **kw: masks.append(mask) or attention(module, q, k, v, mask,
+                                                                                                  *a, **kw))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # as transformers sees it
+    monkeypatch.setattr(loss, "_capturing", lambda: True)
+    ids = torch.randint(0, 64, (1, 9))
+    causal_lm_loss(model, dict(input_ids=ids, labels=ids))
+    model(input_ids=ids, use_cache=False)  # what passing use_cache=False would do
+    assert masks[0] is None and masks[1] is not None
+
+
 def test_a_second_backward_is_refused_not_computed_from_overwritten_logits():
     logits, targets = _logits_targets(torch.float32)
     x = logits.clone().requires_grad_()

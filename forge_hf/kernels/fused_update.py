@@ -26,6 +26,7 @@ import triton.language as tl
 from .. import codecs
 from ..codecs import QuantisedSlot, storage_kind
 from ..rules import RULES, bind_update
+from .compiled import launch_compiled
 from .codecs import NONE, block_index, decode_state, load_meta, load_state_raw, store_state
 from .storage import decode_value, element_hash, load_tile, store_value
 
@@ -156,10 +157,6 @@ def fused_update_kernel(
                         S2, STOCHASTIC, BLOCK_N, BLOCK_K)
 
 
-# the compiled kernel takes constexpr values too, in the kernel's parameter order
-_CONSTEXPR_NAMES = [p.name for p in getattr(fused_update_kernel, "params", ()) if p.is_constexpr]
-
-
 def default_config(N: int, K: int, T: int) -> dict:
     """Tile shape and launch options for one layer shape (benchmarks/NOTES.md)."""
     if INTERPRETER:  # fewer, larger programs: the interpreter runs them one by one
@@ -240,19 +237,6 @@ def kernel_call(
     return (triton.cdiv(N, BN), triton.cdiv(K, BK)), positional, constexprs
 
 
-# Triton's JIT dispatch costs ~60 us of host time a launch (it re-derives the kernel's
-# specialisation from every argument); a step launches a few hundred kernels and the GPU
-# would wait on the host. Once compiled, a kernel is launched directly (~16 us), keyed by
-# what Triton specialises on: dtypes, 16-byte alignment of pointers, and for integers
-# whether they are 1 or multiples of 16.
-_COMPILED: dict = {}
-
-
-def _specialisation(positional: list) -> tuple:
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                 else (a == 1, a % 16 == 0) for a in positional)
-
-
 # Launches keep a*b+c as two roundings (no FMA contraction): the rules' arithmetic then
 # gives the PyTorch reference's bits, so moments near zero (where one contracted rounding
 # can flip a sign and move a bf16 state by thousands of ulps) agree on every device.
@@ -269,25 +253,20 @@ def _launch(grid, positional, constexprs, config: dict) -> None:
     options = compile_options(config)
     if INTERPRETER:
         fused_update_kernel[grid](*positional, **constexprs, **options)
-        return
-    # one device per launch (a compiled kernel is loaded on one): the first tensor's
-    key = (positional[0].device, _specialisation(positional), tuple(constexprs.items()), tuple(options.items()))
-    compiled = _COMPILED.get(key)
-    if compiled is None and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"a fused-kernel variant ({tuple(constexprs.items())[:6]}...) is first needed while a CUDA graph "
-            "is captured, where it cannot be compiled: run an eager step with the same model, shapes and "
-            "dtypes before capturing (GraphedStep's warmup_steps)")
-    if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
-        _COMPILED[key] = fused_update_kernel[grid](*positional, **constexprs, **options)
-        return
-    compiled[(*grid, 1)](*positional, *(constexprs[name] for name in _CONSTEXPR_NAMES))
+    else:
+        launch_compiled(fused_update_kernel, grid, positional, constexprs, options)
 
 
 def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
                         **options) -> None:
     """One fused step of one layer (arguments as in kernel_call). ``options``: launch
-    options (num_warps, num_stages, maxnreg) in place of default_config's."""
+    options (num_warps, num_stages, maxnreg) in place of default_config's. Without either,
+    the persistent Gluon kernel runs where it applies (persistent_launch.py)."""
+    if blocks is None and not options and not INTERPRETER:
+        from .persistent_launch import launch_persistent, persistent_unsupported
+        if persistent_unsupported(x, dy, weight, slots) is None:
+            launch_persistent(x, dy, weight, slots, args, stats, RULE_UPDATES[rule_name], stochastic)
+            return
     config = default_config(*weight.shape, x.shape[0])
     known = sorted(set(config) - {"blocks"})
     unknown = sorted(set(options) - set(known))

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Seventh session: consumers of 8 warps (two warpgroups, half the columns each), against 4.
+# One process per config: a register budget the hardware cannot meet would hang.
+set -uo pipefail
+source benchmarks/gpu_env.sh
+install_forge
+cd benchmarks
+n=0
+for cfg in "2,5,1,232,40,168,0" "2,5,1,112,24,96,0,0,1,8" "2,5,1,120,24,96,0,0,1,8" "2,5,1,104,24,96,0,0,1,8"; do
+  n=$((n+1)); step "probe $cfg"
+  timeout 150 python3 persistent_probe.py --out $OUT/persistent_probe_call41_$n.json --configs "$cfg" > $OUT/probe_$n.txt 2>&1
+  echo "probe $cfg rc=$?" >> $OUT/probe_$n.txt
+  grep -v "^{'shape'" $OUT/probe_$n.txt | sed "s/'equal': 1.0, 'max_ulp': 0, 'max_abs': 0.0/same/g" | cut -c1-250 | tail -6
+done

@@ -1,0 +1,44 @@
+"""Launching a compiled Triton or Gluon kernel without the JIT's per-call dispatch.
+
+Triton's JIT dispatch costs ~60 us of host time a launch (it re-derives the kernel's
+specialisation from every argument); a step launches a few hundred kernels and the GPU
+would wait on the host. Once compiled, a kernel is launched directly (~16 us), keyed by
+what Triton specialises on: dtypes, 16-byte alignment of pointers, and for integers
+whether they are 1 or multiples of 16 (a TMA descriptor: its tensor's dtype; its block
+shape and layout are fixed by the caller).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_COMPILED: dict = {}
+
+
+def _specialisation(positional: list) -> tuple:
+    def spec(a):
+        if isinstance(a, torch.Tensor):
+            return (a.dtype, a.data_ptr() % 16 == 0)
+        if hasattr(a, "block_shape"):  # a TMA tensor descriptor
+            return ("descriptor", a.base.dtype, tuple(a.block_shape))
+        return (a == 1, a % 16 == 0)
+    return tuple(spec(a) for a in positional)
+
+
+def launch_compiled(kernel, grid: tuple, positional: list, constexprs: dict, options: dict) -> None:
+    """kernel[grid](*positional, **constexprs, **options), compiled once per specialisation."""
+    device = next(a.device if isinstance(a, torch.Tensor) else a.base.device
+                  for a in positional if isinstance(a, torch.Tensor) or hasattr(a, "block_shape"))
+    # one device per launch (a compiled kernel is loaded on one)
+    key = (kernel, device, _specialisation(positional), tuple(constexprs.items()), tuple(options.items()))
+    compiled = _COMPILED.get(key)
+    if compiled is None and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"a fused-kernel variant ({tuple(constexprs.items())[:6]}...) is first needed while a CUDA graph "
+            "is captured, where it cannot be compiled: run an eager step with the same model, shapes and "
+            "dtypes before capturing (GraphedStep's warmup_steps)")
+    if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
+        _COMPILED[key] = kernel[grid](*positional, **constexprs, **options)
+        return
+    names = [p.name for p in kernel.params if p.is_constexpr]  # in the kernel's parameter order
+    compiled[(*grid, 1, 1)[:3]](*positional, *(constexprs[name] for name in names))

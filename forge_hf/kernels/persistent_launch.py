@@ -1,0 +1,80 @@
+"""When and how the persistent Gluon kernel (persistent_update.py) runs a layer's step.
+
+It runs where it applies (bf16 weights; bf16 or int8 states) and is measured faster (Llama-3.1-8B's linears at 512 tokens on
+an H200: 48 ms a step against 54-55 for fused_update.py's kernel, benchmarks/NOTES.md);
+``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on fused_update.py's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .. import codecs
+from ..codecs import QuantisedSlot, storage_kind
+from .compiled import launch_compiled
+
+NUM_BUF = 5  # ring slots a lane: 4 -> 5 was 49.3 -> 48.1 ms; 6 does not fit shared memory
+CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 12 warps: 8 consumers, 2 producers (a warpgroup)
+BLOCK = 64
+KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED)  # al8 and fp32 states: not here
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """What a TMA descriptor needs: unit last stride, 16-byte base and row stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def persistent_unsupported(x, dy, weight, slots) -> str | None:
+    """Why the persistent kernel cannot take this step (None: it can)."""
+    if os.environ.get("FORGE_HF_KERNEL", "auto") == "triton":
+        return "FORGE_HF_KERNEL=triton"
+    if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] != 9:
+        return "not a Hopper GPU (wgmma and TMA as compiled for sm_90)"
+    return layout_unsupported(x, dy, weight, slots)
+
+
+def layout_unsupported(x, dy, weight, slots) -> str | None:
+    """Why these tensors' dtypes and layouts do not suit the kernel (None: they do)."""
+    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or dy.dtype != torch.bfloat16:
+        return "weight, x and dy must be bf16"
+    n, k = weight.shape
+    if n % BLOCK or k % BLOCK:
+        return f"weight shape {tuple(weight.shape)} is not a multiple of {BLOCK}"
+    if weight.stride() != (k, 1) or not _aligned(weight):
+        return "weight is not row-major and 16-byte aligned"
+    for slot in slots:
+        if storage_kind(slot) not in KINDS:
+            return "a state slot is neither bf16, int8 nor absent"
+        codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
+        if codes is not None and (codes.stride() != weight.stride() or not _aligned(codes)):
+            return "a state slot is not laid out as the weight"
+        if isinstance(slot, QuantisedSlot) and (tuple(slot.meta.shape) != (n, k // BLOCK, 1)
+                                                or slot.meta.stride() != codecs.meta_strides(n, slot.codec)):
+            return "8-bit metadata is not laid out as QuantisedSlot.empty_like allocates it"
+    if not (_aligned(x) and _aligned(dy)):
+        return "x or dy has a non-unit last stride or is not 16-byte aligned"
+    return None
+
+
+def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0) -> None:
+    """One fused step of one layer by the persistent kernel (arguments as
+    fused_update.kernel_call's; ``rule_update`` the rule's jitted update). ``ablate``:
+    benchmarks only (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY)."""
+    from .persistent_update import persistent_update_kernel, tensor_descriptor
+    n, k = weight.shape
+    stored = [weight.view(torch.int16)]  # bf16 as bits; 8-bit codes as they are; absent: any
+    stored += [stored[0] if s is None else s.codes if isinstance(s, QuantisedSlot) else s.view(torch.int16)
+               for s in slots]
+    descs = [tensor_descriptor(x), tensor_descriptor(dy)] + [tensor_descriptor(t) for t in stored]
+    metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
+    kinds = [storage_kind(s) for s in slots]
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    grid = (min(sms, triton.cdiv((n // BLOCK) * (k // BLOCK), 2)),)  # two lanes a program
+    constexprs = dict(RULE_UPDATE=rule_update, S0=kinds[0], S1=kinds[1], S2=kinds[2], STOCHASTIC=stochastic,
+                      NUM_BUF=NUM_BUF, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, ABLATE=ablate)
+    options = dict(num_warps=4, maxnreg=MAXNREG, enable_fp_fusion=False)  # no FMA contraction, as the other kernel
+    positional = descs + metas + [args, stats, n, k, x.shape[0]]
+    launch_compiled(persistent_update_kernel, grid, positional, constexprs, options)

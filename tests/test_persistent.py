@@ -1,0 +1,149 @@
+"""The persistent Gluon kernel (kernels/persistent_update.py): where it applies, and on a
+Hopper GPU that it gives fused_update.py's kernel's bits.
+
+Both kernels form the gradient block by the same 64-token wgmma chunks in the same order
+and share the rules' arithmetic and the rounding hash, so weights, states and statistics
+are compared for equality, over several steps, on token counts that are not multiples
+of the chunk."""
+
+import pytest
+import torch
+
+from forge_hf import codecs
+from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_unsupported
+from forge_hf.rules import get_rule, make_group
+from forge_hf.state import ForgeState
+from forge_hf.step_args import pack_args
+
+BF16 = torch.bfloat16
+
+
+def _tensors(n=128, k=192, t=100, precision="bf16", device="cpu", rule_name="adamw", hp=None, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(t, k, device=device, generator=g).to(BF16)
+    dy = (torch.randn(t, n, device=device, generator=g) * 1e-2).to(BF16)
+    w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(BF16)
+    rule = get_rule(rule_name)
+    group = make_group(rule, hp or {})
+    state = ForgeState(rule, precision, transposed=False)
+    state.allocate(w, group)
+    return x, dy, w, state, rule, group
+
+
+def test_layout_checks_name_what_stands_in_the_way():
+    x, dy, w, state, *_ = _tensors()
+    slots = state.kernel_slots()
+    assert layout_unsupported(x, dy, w, slots) is None
+    assert "multiple of 64" in layout_unsupported(x[:, :160], dy, w[:, :160], [None] * 3)
+    assert "bf16" in layout_unsupported(x, dy, w.float(), [None] * 3)
+    assert "bf16" in layout_unsupported(x.float(), dy, w, slots)
+    assert "row-major" in layout_unsupported(x, dy, w.t().contiguous().t(), [None] * 3)
+    assert "laid out as the weight" in layout_unsupported(x, dy, w, [slots[0].t().contiguous().t(), None, None])
+    wide = torch.zeros(100, 200, dtype=BF16)
+    assert "x or dy" in layout_unsupported(wide[:, 1:193], dy, w, slots)  # 2 bytes off 16
+    assert "x or dy" in layout_unsupported(x, dy.t().contiguous().t(), w, slots)
+    _, _, _, int8_state, _, _ = _tensors(precision="int8")
+    assert layout_unsupported(x, dy, w, int8_state.kernel_slots()) is None
+    from dataclasses import replace
+    int8_slots = int8_state.kernel_slots()
+    row_major_meta = [replace(int8_slots[0], meta=int8_slots[0].meta.contiguous())] + int8_slots[1:]
+    assert "8-bit metadata" in layout_unsupported(x, dy, w, row_major_meta)
+    _, _, _, al8_state, _, _ = _tensors(precision="al8")
+    assert "neither bf16, int8 nor absent" in layout_unsupported(x, dy, w, al8_state.kernel_slots())
+    _, _, _, fp32_state, _, _ = _tensors(precision="fp32")
+    assert "neither bf16, int8 nor absent" in layout_unsupported(x, dy, w, fp32_state.kernel_slots())
+
+
+def test_cpu_tensors_and_the_environment_switch_keep_the_triton_kernel(monkeypatch):
+    x, dy, w, state, *_ = _tensors()
+    assert "Hopper" in persistent_unsupported(x, dy, w, state.kernel_slots())
+    monkeypatch.setenv("FORGE_HF_KERNEL", "triton")
+    assert persistent_unsupported(x, dy, w, state.kernel_slots()) == "FORGE_HF_KERNEL=triton"
+
+
+def test_epilogue_buffers_skip_absent_slots():
+    from forge_hf.kernels.persistent_update import present, s_index
+    none, bf16 = codecs.NONE, codecs.BF16
+    assert present(bf16, bf16, none) == 2 and present(none, none, none) == 0
+    # AdamW: exp_avg, exp_avg_sq; lane 1's start after lane 0's two
+    assert [s_index(1, slot, bf16, bf16, none) for slot in (0, 1)] == [2, 3]
+    # a rule whose first slot is absent: its second slot takes the lane's first buffer
+    assert s_index(0, 1, none, bf16, bf16) == 0 and s_index(1, 2, none, bf16, bf16) == 3
+    assert s_index(1, 0, bf16, none, none) == 1
+
+
+# ------------------------------------------------------------------------- on a GPU
+
+RULES = [("adamw", dict(weight_decay=0.1)), ("nadam", dict(weight_decay=0.01)), ("radam", {}),
+         ("lion", dict(weight_decay=0.1)), ("rmsprop", dict(momentum=0.9, centered=True)), ("adagrad", {}),
+         ("sgd", dict(momentum=0.9, nesterov=True)), ("sgd", {})]
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
+    from forge_hf.kernels.fused_update import RULE_UPDATES, default_config, launch_fused_update
+    from forge_hf.kernels.persistent_launch import launch_persistent
+    stats = torch.zeros(2, device=w.device)
+    for _ in range(steps):
+        args = pack_args(rule.prepare(group, state.host), state.host["step"], salt, w.device)
+        if kernel == "persistent":
+            launch_persistent(x, dy, w, state.kernel_slots(), args, stats, RULE_UPDATES[rule.name], stochastic)
+        else:
+            blocks = default_config(*w.shape, x.shape[0])["blocks"]
+            launch_fused_update(x, dy, w, state.kernel_slots(), args, stats, rule.name, stochastic, blocks=blocks)
+    torch.cuda.synchronize()
+    return [w] + [s for s in state.kernel_slots() if s is not None], stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("rule_name,hp", RULES)
+@pytest.mark.parametrize("n,k,t", [(128, 192, 100), (320, 256, 515), (64, 64, 1)])
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_same_bits_as_the_triton_kernel(rule_name, hp, n, k, t, stochastic, precision):
+    results = {}
+    for kernel in ("persistent", "triton"):
+        x, dy, w, state, rule, group = _tensors(n, k, t, precision, "cuda", rule_name, hp)
+        assert layout_unsupported(x, dy, w, state.kernel_slots()) is None
+        results[kernel] = _run(kernel, x, dy, w, state, rule, group, steps=3, stochastic=stochastic)
+    (got, got_stats), (ref, ref_stats) = results["persistent"], results["triton"]
+    for a, b in zip(got, ref):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        else:  # 8-bit: codes and scales
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.meta, b.meta)
+    torch.testing.assert_close(got_stats, ref_stats, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_block_with_a_non_finite_gradient_is_skipped_and_counted(precision):
+    x, dy, w, state, rule, group = _tensors(192, 128, 70, precision, "cuda")
+    dy[5, 70] = float("nan")  # rows 64-127: the second band of blocks, both columns
+    tensors = lambda: [w] + [getattr(s, "codes", s) for s in state.kernel_slots() if s is not None]  # noqa: E731
+    before = [t.clone() for t in tensors()]
+    _, stats = _run("persistent", x, dy, w, state, rule, group, steps=1, stochastic=True)
+    assert stats[1].item() == 2  # two 64 x 64 blocks
+    for a, b in zip(tensors(), before):
+        assert torch.equal(a[64:128], b[64:128]) and not torch.equal(a[:64], b[:64])
+    assert torch.isfinite(stats[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
+def test_a_fused_layer_takes_the_persistent_kernel(monkeypatch):
+    import forge_hf.kernels.persistent_launch as persistent
+    from forge_hf import patch_model
+    calls = []
+    launch = persistent.launch_persistent
+    monkeypatch.setattr(persistent, "launch_persistent", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    model = torch.nn.Sequential(torch.nn.Linear(192, 128, bias=False)).cuda().to(BF16)
+    patch_model(model, optimizer="adamw", state_precision="bf16", min_params=0, lr=1e-3)
+    before = model[0].weight.detach().clone()
+    model(torch.randn(4, 33, 192, device="cuda", dtype=BF16)).float().square().mean().backward()
+    assert calls and not torch.equal(model[0].weight.detach(), before)
