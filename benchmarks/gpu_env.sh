@@ -32,3 +32,21 @@ install_forge() { step install; python3 -m pip install -q --no-deps --no-build-i
 kernel_sums() { step kernel; local suffix=$1; shift
                 for p in "$@"; do timeout 90 python3 kernel_microbench.py --state $p --configs default \
                   --out $OUT/kernel_microbench_llama8b_${p}_$suffix.json 2>&1 | tail -1 >> $OUT/kernel.txt; done; }
+# seventh session, two GPUs: GPU 1 the whole suite; GPU 0 persistent_probe.py, then the
+# graphed step grid (2 rounds); then the two-GPU test. $1: the call's number
+suite_probe_step() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_tf/*.whl
+  install_forge
+  (gpu_tests 1 330) &
+  cd benchmarks
+  export CUDA_VISIBLE_DEVICES=0
+  step probe; timeout 150 python3 persistent_probe.py --out $OUT/persistent_probe_call$1.json > $OUT/probe.txt 2>&1
+  llama_step_grid $OUT/grid_llama8b_1x512_graphed_persistent.json 2 240
+  cd ..
+  step "wait"; wait
+  step two-gpu; CUDA_VISIBLE_DEVICES=0,1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k graphed >> $OUT/gpu_pytest.log 2>&1
+  echo "two-gpu rc=$?" >> $OUT/gpu_pytest.log
+  finish
+  tail -4 $OUT/probe.txt
+  show_grid $OUT/grid_llama8b_1x512_graphed_persistent.json
+}
