@@ -147,3 +147,13 @@ def test_a_fused_layer_takes_the_persistent_kernel(monkeypatch):
     before = model[0].weight.detach().clone()
     model(torch.randn(4, 33, 192, device="cuda", dtype=BF16)).float().square().mean().backward()
     assert calls and not torch.equal(model[0].weight.detach(), before)
+
+
+def test_descriptors_take_the_default_swizzle_of_their_dtype():
+    from triton.experimental.gluon import language as gl
+
+    from forge_hf.kernels.persistent_update import tensor_descriptor
+    for dtype, gl_dtype in [(BF16, gl.bfloat16), (torch.int16, gl.int16), (torch.int8, gl.int8)]:
+        d = tensor_descriptor(torch.zeros(128, 192, dtype=dtype))
+        assert d.layout == gl.NVMMASharedLayout.get_default_for([64, 64], gl_dtype)
+        assert list(d.block_shape) == [64, 64] and list(d.shape) == [128, 192]
