@@ -136,6 +136,12 @@ def meta_strides(out_features: int, codec: "Codec") -> tuple[int, int, int]:
     return (codec.meta_width, out_features * codec.meta_width, 1)
 
 
+def meta_layout(out_features: int, in_features: int, codec: "Codec") -> tuple[tuple, tuple]:
+    """(shape, strides) of a slot's metadata as allocated, what the kernels require."""
+    shape = (out_features, blocks_per_row(in_features), codec.meta_width)
+    return shape, meta_strides(out_features, codec)
+
+
 def storage_kind(slot) -> int:
     """The kernel's storage selector for a slot (a tensor, a QuantisedSlot or None)."""
     if slot is None:

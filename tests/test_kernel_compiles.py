@@ -1,9 +1,9 @@
-"""Compile the fused kernel for Hopper (sm_90) without a GPU.
+"""Compile the fused kernels for Hopper (sm_90) without a GPU.
 
-The interpreter runs Triton kernels as Python (and cannot run the Gluon one), so errors that only the compiler sees (types of
-branches, constexpr folding, global lookups) would wait for a GPU run. Triton's wheel
-carries ptxas, so the whole pipeline down to the cubin runs here; each variant is what
-launch_fused_update would launch for those tensors. The compiles run in one child process
+The interpreter runs Triton kernels as Python (and cannot run the Gluon one), so errors
+that only the compiler sees (types of branches, constexpr folding, global lookups) would
+wait for a GPU run. Triton's wheel carries ptxas, so the whole pipeline down to the cubin
+runs here; each variant is what launch_fused_update would launch for those tensors. The compiles run in one child process
 without TRITON_INTERPRET (conftest sets it for this one)."""
 
 import json
@@ -18,6 +18,18 @@ WEIGHT_STATE = ["fp32-fp32", "bf16-bf16", "fp32-bf16", "bf16-int8", "bf16-al8",
 RULE_NAMES = ["adagrad", "adamw", "lion", "nadam", "radam", "rmsprop", "sgd"]
 
 
+def _signature(names: list, positional: list) -> dict:
+    """Triton's signature of a launch's non-constexpr arguments: pointers, TMA
+    descriptors, int32."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int16: "i16", torch.int32: "i32",
+             torch.int8: "i8", torch.uint8: "u8"}
+    return {n: "*" + types[v.dtype] if torch.is_tensor(v) else mangle_type(v) if hasattr(v, "block_shape")
+            else "i32" for n, v in zip(names, positional)}
+
+
 def compile_all() -> dict:
     """Run in the child: {"rule/weight-state": "ok" or the error}."""
     import torch
@@ -29,8 +41,6 @@ def compile_all() -> dict:
     from forge_hf.rules import get_rule, make_group
     from forge_hf.state import ForgeState
 
-    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int16: "i16", torch.int32: "i32",
-             torch.int8: "i8", torch.uint8: "u8"}
     extra = {"rmsprop": dict(momentum=0.9, centered=True), "sgd": dict(momentum=0.9)}
     names = fused_update_kernel.arg_names
     results = {}
@@ -50,7 +60,7 @@ def compile_all() -> dict:
                 config = default_config(200, 300, 0 if grad else 77)  # what a GPU launch uses
                 _, positional, constexprs = kernel_call(x, dy, weight, state.kernel_slots(), args, torch.zeros(2),
                                                         rule_name, True, dot_fp32=False, grad_given=bool(grad))
-                sig = {n: ("*" + types[v.dtype]) if torch.is_tensor(v) else "i32" for n, v in zip(names, positional)}
+                sig = _signature(names, positional)
                 sig.update({k: "constexpr" for k in constexprs})
                 source = triton.compiler.ASTSource(
                     fn=fused_update_kernel, signature=sig,
@@ -73,14 +83,13 @@ def compile_persistent() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
 
-    from forge_hf.kernels import persistent_launch as launch
     from forge_hf.kernels.fused_update import RULE_UPDATES
-    from forge_hf.kernels.persistent_update import persistent_update_kernel, tensor_descriptor
-    from forge_hf.codecs import storage_kind
+    from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_call
+    from forge_hf.kernels.persistent_update import persistent_update_kernel
     from forge_hf.rules import get_rule, make_group
     from forge_hf.state import ForgeState
+    from forge_hf.step_args import pack_args
 
     names = persistent_update_kernel.arg_names
     results = {}
@@ -88,27 +97,20 @@ def compile_persistent() -> dict:
         for precision, stochastic in [("bf16", True), ("bf16", False), ("int8", True)]:
             try:
                 rule = get_rule(key.split("-")[0])
+                group = make_group(rule, hp)
                 weight = torch.zeros(128, 192, dtype=torch.bfloat16)
                 state = ForgeState(rule, precision, transposed=False)
-                state.allocate(weight, make_group(rule, hp))
+                state.allocate(weight, group)
                 slots = state.kernel_slots()
                 x, dy = torch.zeros(100, 192, dtype=torch.bfloat16), torch.zeros(100, 128, dtype=torch.bfloat16)
-                assert launch.layout_unsupported(x, dy, weight, slots) is None
-                stored = [weight.view(torch.int16)]
-                stored += [stored[0] if s is None else getattr(s, "codes", None) if hasattr(s, "codes")
-                           else s.view(torch.int16) for s in slots]
-                descs = [tensor_descriptor(x), tensor_descriptor(dy)] + [tensor_descriptor(t) for t in stored]
-                sig = {n: mangle_type(d) for n, d in zip(names, descs)}
-                sig.update(m0_ptr="*fp32", m1_ptr="*fp32", m2_ptr="*fp32", args_ptr="*i32", stats_ptr="*fp32",
-                           N="i32", K="i32", T="i32")
-                kinds = [storage_kind(s) for s in slots]
-                constexprs = dict(RULE_UPDATE=RULE_UPDATES[rule.name], S0=kinds[0], S1=kinds[1], S2=kinds[2],
-                                  STOCHASTIC=stochastic, NUM_BUF=launch.NUM_BUF, CONSUMER_REGS=launch.CONSUMER_REGS,
-                                  PRODUCER_REGS=launch.PRODUCER_REGS, ABLATE=0)
+                assert layout_unsupported(x, dy, weight, slots) is None
+                args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
+                positional, constexprs, options = persistent_call(x, dy, weight, slots, args, torch.zeros(2),
+                                                                  RULE_UPDATES[rule.name], stochastic)
+                sig = _signature(names, positional)
                 sig.update({k: "constexpr" for k in constexprs})
                 source = GluonASTSource(fn=persistent_update_kernel, signature=sig,
                                         constexprs={(names.index(k),): v for k, v in constexprs.items()})
-                options = dict(num_warps=4, maxnreg=launch.MAXNREG, enable_fp_fusion=False)
                 compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
                 # a Hopper multiprocessor gives a program at most 227 KB of shared memory
                 fits = compiled.metadata.shared <= 232448

@@ -38,7 +38,8 @@ def launch_compiled(kernel, grid: tuple, positional: list, constexprs: dict, opt
             "is captured, where it cannot be compiled: run an eager step with the same model, shapes and "
             "dtypes before capturing (GraphedStep's warmup_steps)")
     if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
-        _COMPILED[key] = kernel[grid](*positional, **constexprs, **options)
+        names = [p.name for p in kernel.params if p.is_constexpr]  # in the kernel's parameter order
+        _COMPILED[key] = kernel[grid](*positional, **constexprs, **options), names
         return
-    names = [p.name for p in kernel.params if p.is_constexpr]  # in the kernel's parameter order
+    compiled, names = compiled
     compiled[(*grid, 1, 1)[:3]](*positional, *(constexprs[name] for name in names))

@@ -42,12 +42,31 @@ def _scalar(args_ptr, i: tl.constexpr):
 
 
 @triton.jit
-def record_tile(stats_ptr, acc):
-    """Whether the gradient tile may be applied. A tile whose squared sum is not finite (a
-    NaN or inf in it, or an entry beyond ~1e19 whose square overflows) is counted and
-    skipped; others add their squared sum to the grad norm."""
+def load_step_args(args_ptr):
+    """The step's arguments (step_args.py): the rule's 12 constants as a tuple, the step,
+    the rounding salt and the index of the weight's first row in the whole weight."""
+    c = (_scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3),
+         _scalar(args_ptr, 4), _scalar(args_ptr, 5), _scalar(args_ptr, 6), _scalar(args_ptr, 7),
+         _scalar(args_ptr, 8), _scalar(args_ptr, 9), _scalar(args_ptr, 10), _scalar(args_ptr, 11))
+    step = tl.load(args_ptr + 12).to(tl.uint32, bitcast=True)
+    salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
+    row0 = tl.load(args_ptr + 14)
+    return c, step, salt, row0
+
+
+@triton.jit
+def finite_sumsq(acc):
+    """A gradient tile's squared sum, and whether the tile may be applied: one whose
+    squared sum is not finite (a NaN or inf in it, or an entry beyond ~1e19 whose square
+    overflows) is counted and skipped; others add their squared sum to the grad norm."""
     sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    ok = (sumsq == sumsq) & (sumsq < float("inf"))
+    return sumsq, (sumsq == sumsq) & (sumsq < float("inf"))
+
+
+@triton.jit
+def record_tile(stats_ptr, acc):
+    """Whether the gradient tile may be applied (finite_sumsq), counted into ``stats``."""
+    sumsq, ok = finite_sumsq(acc)
     # Relaxed: the sums are read after the kernel, which orders them. The default
     # (acquire-release) fences every program's atomics: ~20% of the kernel's time.
     tl.atomic_add(stats_ptr, tl.where(ok, sumsq, 0.0), sem="relaxed")
@@ -84,12 +103,7 @@ def fused_update_kernel(
     # What the rule reads besides the weight and bf16/fp32 state tiles is loaded before the
     # token loop, whose time hides the loads' latency: the rule's constants, the rounding's
     # seed, 8-bit metadata (66.3 -> 58.6 ms with int8 state).
-    c0, c1, c2, c3 = _scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3)
-    c4, c5, c6, c7 = _scalar(args_ptr, 4), _scalar(args_ptr, 5), _scalar(args_ptr, 6), _scalar(args_ptr, 7)
-    c8, c9, c10, c11 = _scalar(args_ptr, 8), _scalar(args_ptr, 9), _scalar(args_ptr, 10), _scalar(args_ptr, 11)
-    step = tl.load(args_ptr + 12).to(tl.uint32, bitcast=True)
-    salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
-    row0 = tl.load(args_ptr + 14)
+    c, step, salt, row0 = load_step_args(args_ptr)
     meta0 = load_meta(m0_ptr, block, block_mask, S0)
     meta1 = load_meta(m1_ptr, block, block_mask, S1)
     meta2 = load_meta(m2_ptr, block, block_mask, S2)
@@ -137,7 +151,8 @@ def fused_update_kernel(
         s1 = decode_state(r1, meta1, S1, BLOCK_N, BLOCK_K)
     if S2 != NONE:
         s2 = decode_state(r2, meta2, S2, BLOCK_N, BLOCK_K)
-    w, s0, s1, s2 = RULE_UPDATE(w, acc, s0, s1, s2, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11)
+    w, s0, s1, s2 = RULE_UPDATE(w, acc, s0, s1, s2, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9],
+                                c[10], c[11])
 
     # Phase 3: write back (the gradient tile is dropped here).
     if STOCHASTIC:
@@ -184,13 +199,12 @@ def _slot_pointers(slot, weight: torch.Tensor, dummy: torch.Tensor):
                          f"match the weight's {tuple(weight.shape)}/{weight.stride()}: allocate states "
                          "with ForgeState so they share the weight's layout")
     if isinstance(slot, QuantisedSlot):
-        n, k = weight.shape
-        meta_shape = (n, codecs.blocks_per_row(k), slot.codec.meta_width)
-        strides = codecs.meta_strides(n, slot.codec)
+        meta_shape, strides = codecs.meta_layout(*weight.shape, slot.codec)
         if tuple(slot.meta.shape) != meta_shape or slot.meta.stride() != strides:
             raise ValueError(f"{slot.codec.name} metadata of shape {tuple(slot.meta.shape)} and strides "
-                             f"{slot.meta.stride()} does not fit a ({n}, {k}) weight: it must be {meta_shape} "
-                             f"with strides {strides}, as QuantisedSlot.empty_like (ForgeState) allocates it")
+                             f"{slot.meta.stride()} does not fit a {tuple(weight.shape)} weight: it must be "
+                             f"{meta_shape} with strides {strides}, as QuantisedSlot.empty_like (ForgeState) "
+                             "allocates it")
         return slot.codes, slot.meta
     return _as_bits(slot), dummy
 

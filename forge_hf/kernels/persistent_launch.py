@@ -1,8 +1,9 @@
 """When and how the persistent Gluon kernel (persistent_update.py) runs a layer's step.
 
-It runs where it applies (bf16 weights; bf16 or int8 states) and is measured faster (Llama-3.1-8B's linears at 512 tokens on
-an H200: 48 ms a step against 54-55 for fused_update.py's kernel, benchmarks/NOTES.md);
-``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on fused_update.py's.
+It runs where it applies (bf16 weights; bf16 or int8 states) and is measured faster
+(Llama-3.1-8B's linears at 512 tokens on an H200: 48 ms a step against 54-55 for
+fused_update.py's kernel, benchmarks/NOTES.md); ``FORGE_HF_KERNEL=triton`` in the
+environment keeps every layer on fused_update.py's.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import triton
 from .. import codecs
 from ..codecs import QuantisedSlot, storage_kind
 from .compiled import launch_compiled
+from .persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
 
 NUM_BUF = 5  # ring slots a lane: 4 -> 5 was 49.3 -> 48.1 ms; 6 does not fit shared memory
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 12 warps: 8 consumers, 2 producers (a warpgroup)
-BLOCK = 64
 KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED)  # al8 and fp32 states: not here
 
 
@@ -41,8 +42,8 @@ def layout_unsupported(x, dy, weight, slots) -> str | None:
     if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or dy.dtype != torch.bfloat16:
         return "weight, x and dy must be bf16"
     n, k = weight.shape
-    if n % BLOCK or k % BLOCK:
-        return f"weight shape {tuple(weight.shape)} is not a multiple of {BLOCK}"
+    if n % BLOCK_SIZE or k % BLOCK_SIZE:
+        return f"weight shape {tuple(weight.shape)} is not a multiple of {BLOCK_SIZE}"
     if weight.stride() != (k, 1) or not _aligned(weight):
         return "weight is not row-major and 16-byte aligned"
     for slot in slots:
@@ -51,19 +52,19 @@ def layout_unsupported(x, dy, weight, slots) -> str | None:
         codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
         if codes is not None and (codes.stride() != weight.stride() or not _aligned(codes)):
             return "a state slot is not laid out as the weight"
-        if isinstance(slot, QuantisedSlot) and (tuple(slot.meta.shape) != (n, k // BLOCK, 1)
-                                                or slot.meta.stride() != codecs.meta_strides(n, slot.codec)):
+        if isinstance(slot, QuantisedSlot) and \
+                (tuple(slot.meta.shape), slot.meta.stride()) != codecs.meta_layout(n, k, slot.codec):
             return "8-bit metadata is not laid out as QuantisedSlot.empty_like allocates it"
     if not (_aligned(x) and _aligned(dy)):
         return "x or dy has a non-unit last stride or is not 16-byte aligned"
     return None
 
 
-def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0) -> None:
-    """One fused step of one layer by the persistent kernel (arguments as
-    fused_update.kernel_call's; ``rule_update`` the rule's jitted update). ``ablate``:
-    benchmarks only (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY)."""
-    from .persistent_update import persistent_update_kernel, tensor_descriptor
+def persistent_call(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0):
+    """(positional arguments, constexpr arguments, compile options) of the launch for these
+    tensors; tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py).
+    Arguments as fused_update.kernel_call's, ``rule_update`` the rule's jitted update;
+    ``ablate``: benchmarks only (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY)."""
     n, k = weight.shape
     stored = [weight.view(torch.int16)]  # bf16 as bits; 8-bit codes as they are; absent: any
     stored += [stored[0] if s is None else s.codes if isinstance(s, QuantisedSlot) else s.view(torch.int16)
@@ -71,10 +72,17 @@ def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic
     descs = [tensor_descriptor(x), tensor_descriptor(dy)] + [tensor_descriptor(t) for t in stored]
     metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
     kinds = [storage_kind(s) for s in slots]
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-    grid = (min(sms, triton.cdiv((n // BLOCK) * (k // BLOCK), 2)),)  # two lanes a program
     constexprs = dict(RULE_UPDATE=rule_update, S0=kinds[0], S1=kinds[1], S2=kinds[2], STOCHASTIC=stochastic,
                       NUM_BUF=NUM_BUF, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, ABLATE=ablate)
     options = dict(num_warps=4, maxnreg=MAXNREG, enable_fp_fusion=False)  # no FMA contraction, as the other kernel
-    positional = descs + metas + [args, stats, n, k, x.shape[0]]
+    return descs + metas + [args, stats, n, k, x.shape[0]], constexprs, options
+
+
+def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0) -> None:
+    """One fused step of one layer by the persistent kernel (arguments as persistent_call's)."""
+    positional, constexprs, options = persistent_call(x, dy, weight, slots, args, stats, rule_update,
+                                                      stochastic, ablate)
+    n, k = weight.shape
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    grid = (min(sms, triton.cdiv((n // BLOCK_SIZE) * (k // BLOCK_SIZE), 2)),)  # two lanes a program
     launch_compiled(persistent_update_kernel, grid, positional, constexprs, options)

@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 
 from .codecs import ABSMAX8, ABSMAX8_FLOORED, BF16, NONE, absmax_encode, code_to_float, floor_positive
+from .fused_update import finite_sumsq, load_step_args
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
 
 # TMA copies: Triton 3.6's names, renamed async_load / async_store in later releases
@@ -40,8 +41,8 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 BLOCK_SIZE = 64  # rows, columns and tokens of one block or chunk
 BLOCK = gl.constexpr(BLOCK_SIZE)
-# benchmark ablations (ABLATE): the kernel without its epilogue, or without its main loop
-FULL, MAINLOOP_ONLY, EPILOGUE_ONLY = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+# benchmark ablations (ABLATE, 0: none): the kernel without its epilogue, or without its main loop
+MAINLOOP_ONLY, EPILOGUE_ONLY = gl.constexpr(1), gl.constexpr(2)
 
 
 @aggregate
@@ -190,8 +191,7 @@ def epilogue(p, acc, lane: gl.constexpr, phase, off_n, off_k, N, K, c, row0, sal
     """The rule on one block's gradient; returns its squared sum and whether the block
     was applied (one whose squared sum is not finite is not written)."""
     layout: gl.constexpr = acc.type.layout
-    sumsq = gl.sum(gl.sum(acc * acc, axis=1), axis=0)
-    ok = (sumsq == sumsq) & (sumsq < float("inf"))
+    sumsq, ok = finite_sumsq(acc)
     mbarrier.wait(p.ep_ready.index(lane), phase)
     w = bf16_bits_to_fp32(p.w_bufs.index(lane).load(layout))
     s0 = gl.zeros_like(acc)
@@ -228,22 +228,12 @@ def epilogue(p, acc, lane: gl.constexpr, phase, off_n, off_k, N, K, c, row0, sal
 
 
 @gluon.jit
-def _scalar(args_ptr, i: gl.constexpr):
-    return gl.load(args_ptr + i).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
 def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr,
              S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
              RULE_UPDATE: gl.constexpr, STOCHASTIC: gl.constexpr, ABLATE: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK, 16])
-    c = (_scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3),
-         _scalar(args_ptr, 4), _scalar(args_ptr, 5), _scalar(args_ptr, 6), _scalar(args_ptr, 7),
-         _scalar(args_ptr, 8), _scalar(args_ptr, 9), _scalar(args_ptr, 10), _scalar(args_ptr, 11))
-    step = gl.load(args_ptr + 12).to(gl.uint32, bitcast=True)
-    salt = gl.load(args_ptr + 13).to(gl.uint32, bitcast=True)
-    row0 = gl.load(args_ptr + 14)
+    c, step, salt, row0 = load_step_args(args_ptr)
     blocks_n, first, num_blocks, stride = _lane_blocks(N, K, lane)
     total = gl.to_tensor(0.0)
     bad = gl.to_tensor(0.0)
