@@ -5,11 +5,10 @@
 # the forge arms with int8 state.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 step "two-GPU graphed test"; CUDA_VISIBLE_DEVICES=0,1 timeout 130 python3 -m pytest -q -p no:cacheprovider \
   tests/test_distributed.py -k graphed > $OUT/gpu_pytest_dp_graphed.txt 2>&1; tail -3 $OUT/gpu_pytest_dp_graphed.txt >> $LOG
 cd benchmarks
-run_dp() { timeout $1 python3 -m torch.distributed.run --standalone --nproc_per_node 2 dp_bench.py --mode speed "${@:2}" >> $LOG 2>&1; }
 step "dp speed bf16"; run_dp 250 --arms forge_dp_graphed,forge_dp,ddp_fused_adamw,fsdp2_fused_adamw \
   --models qwen3-1.7b,llama-3.1-8b --out $OUT/dp_speed_graphed.json
 step "dp speed int8"; run_dp 130 --state int8 --arms forge_dp_graphed,forge_dp --models qwen3-1.7b,llama-3.1-8b \
@@ -17,11 +16,4 @@ step "dp speed int8"; run_dp 130 --state int8 --arms forge_dp_graphed,forge_dp -
 step done
 cd ..
 grep -E "passed|failed|^===" $LOG
-python3 - <<PY
-import json
-for f in ("dp_speed_graphed", "dp_speed_graphed_int8"):
-    try: d = json.load(open("$OUT/" + f + ".json"))
-    except Exception as e: print(f, e); continue
-    for r in d["results"]:
-        print(f, r.get("model"), r["arm"], r.get("status"), r.get("step_ms"), r.get("peak_gib_max"), r.get("reason", "")[:300])
-PY
+show_dp dp_speed_graphed dp_speed_graphed_int8

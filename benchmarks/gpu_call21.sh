@@ -6,7 +6,7 @@
 # states for gate/up_proj.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 (gpu_tests 1 300) &
 TESTS=$!
 cd benchmarks

@@ -6,7 +6,7 @@
 # forge graphed (bf16, int8) against torch fused AdamW eager and graphed, two rounds.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 (export CUDA_VISIBLE_DEVICES=1; gpu_tests 1 300) &
 cd benchmarks
 export CUDA_VISIBLE_DEVICES=0

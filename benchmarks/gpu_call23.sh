@@ -5,11 +5,10 @@
 # Then GPU 1: the whole test suite; GPU 0: tile configs for int8 state under the cap.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 step "two-GPU graphed test"; CUDA_VISIBLE_DEVICES=0,1 timeout 100 python3 -m pytest -q -p no:cacheprovider \
   tests/test_distributed.py -k graphed > $OUT/gpu_pytest_dp_graphed.txt 2>&1; tail -1 $OUT/gpu_pytest_dp_graphed.txt >> $LOG
 cd benchmarks
-run_dp() { timeout $1 python3 -m torch.distributed.run --standalone --nproc_per_node 2 dp_bench.py --mode speed "${@:2}" >> $LOG 2>&1; }
 step "dp speed bf16"; run_dp 200 --arms forge_dp_graphed,ddp_fused_adamw,fsdp2_fused_adamw \
   --models qwen3-1.7b,llama-3.1-8b --out $OUT/dp2_speed_graphed_final.json
 step "dp speed int8"; run_dp 90 --state int8 --arms forge_dp_graphed --models qwen3-1.7b,llama-3.1-8b \
@@ -25,13 +24,9 @@ step "wait"; wait; grep -E "passed|failed|rc=" $OUT/gpu_pytest.log >> $LOG
 step done
 grep -E "^===|passed|failed|model total" $LOG
 grep -E "^FAILED|^ERROR" $OUT/gpu_pytest.log | head -10
+show_dp dp2_speed_graphed_final dp2_speed_graphed_int8_final
 python3 - <<PY
 import json
-for f in ("dp2_speed_graphed_final", "dp2_speed_graphed_int8_final"):
-    try: d = json.load(open("$OUT/" + f + ".json"))
-    except Exception as e: print(f, e); continue
-    for r in d["results"]:
-        print(f, r.get("model"), r["arm"], r.get("status"), r.get("step_ms"), r.get("peak_gib_max"), r.get("reason", "")[:300])
 d = json.load(open("$OUT/kernel_sweep_int8_cap168.json"))
 for r in d["rows"]: print(r["shape"], {k: round(v, 3) for k, v in r["timings_ms"].items() if v})
 PY

@@ -4,7 +4,7 @@
 # (bf16, int8 state) against torch fused AdamW eager and graphed, in one process per model.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 cd benchmarks
 OPTS="--liger --no-liger-ce --loss chunked --recompute-swiglu --steps 10 --warmup 3 --no-profile"
 step "llama cells"; timeout 230 python3 run_grid.py --models llama-3.1-8b --cells 4x512,1x2048 $OPTS \

@@ -4,7 +4,7 @@
 # from one process, next to forge (eager under DDP, and graphed), fp32 and bf16 weights.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 cd benchmarks
 par() { timeout 75 python3 -m torch.distributed.run --standalone --nproc_per_node 2 dp_bench.py --mode parity "$@" >> $LOG 2>&1; }
 step "adamw fp32"; par --optimizer adamw --weights fp32 --out $OUT/dp2_parity_control_adamw_fp32.json

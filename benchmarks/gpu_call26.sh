@@ -4,7 +4,7 @@
 # torch fused AdamW + DDP control; Qwen3-0.6B shape, 2 ranks x 1 x 512 against 1 x 2 x 512.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-step install; python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> $LOG 2>&1
+install_forge
 cd benchmarks
 par() { timeout 60 python3 -m torch.distributed.run --standalone --nproc_per_node 2 dp_bench.py --mode parity --weights fp32 "$@" >> $LOG 2>&1; }
 step "forge graphed"; par --graphed --out $OUT/dp2_parity_forge_fp32_graphed_core.json

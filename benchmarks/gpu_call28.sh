@@ -9,10 +9,7 @@
 # forge graphed (bf16, int8) against torch fused AdamW eager, two rounds, one process.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-install_forge
-(gpu_tests 1 330) &
-cd benchmarks
-export CUDA_VISIBLE_DEVICES=0
+suite_on_gpu1
 kernel_sums session6 bf16 int8
 llama_step_grid $OUT/grid_llama8b_1x512_graphed_session6.json 2 260
 cd ..

@@ -8,10 +8,7 @@
 # GPU 1: the whole test suite. GPU 0: kernel model sums (bf16, int8, int8 no_meta), the step.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-install_forge
-(gpu_tests 1 330) &
-cd benchmarks
-export CUDA_VISIBLE_DEVICES=0
+suite_on_gpu1
 kernel_sums session6b bf16 int8
 timeout 90 python3 kernel_microbench.py --state int8 --configs default --variant no_meta 2>&1 | tail -1 >> $OUT/kernel.txt
 llama_step_grid $OUT/grid_llama8b_1x512_graphed_session6b.json 2 260

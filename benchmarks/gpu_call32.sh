@@ -6,10 +6,7 @@
 # process. Then the two-GPU data-parallel test on both GPUs.
 set -uo pipefail
 source benchmarks/gpu_env.sh
-install_forge
-(gpu_tests 1 330) &
-cd benchmarks
-export CUDA_VISIBLE_DEVICES=0
+suite_on_gpu1
 kernel_sums session6_final bf16 int8 al8
 llama_step_grid $OUT/grid_llama8b_1x512_graphed_session6_final.json 3 300
 cd ..

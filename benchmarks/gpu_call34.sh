@@ -10,10 +10,7 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_tf/*.whl
 python3 -c "import transformers; print('transformers', transformers.__version__)" >> $LOG 2>&1 || { cat $LOG; exit 1; }
-install_forge
-(gpu_tests 1 330) &
-cd benchmarks
-export CUDA_VISIBLE_DEVICES=0
+suite_on_gpu1
 step capture; timeout 120 python3 capture_memory.py --state bf16 --out $OUT/capture_memory_llama8b_bf16_tf518.json > $OUT/capture_memory.txt 2>&1
 llama_step_grid $OUT/grid_llama8b_1x512_graphed_tf518.json 2 200
 cd ..

@@ -32,14 +32,24 @@ install_forge() { step install; python3 -m pip install -q --no-deps --no-build-i
 kernel_sums() { step kernel; local suffix=$1; shift
                 for p in "$@"; do timeout 90 python3 kernel_microbench.py --state $p --configs default \
                   --out $OUT/kernel_microbench_llama8b_${p}_$suffix.json 2>&1 | tail -1 >> $OUT/kernel.txt; done; }
+# (run from benchmarks/) dp_bench.py's speed mode on two ranks: $1 the timeout, then its options
+run_dp() { timeout $1 python3 -m torch.distributed.run --standalone --nproc_per_node 2 dp_bench.py --mode speed "${@:2}" >> $LOG 2>&1; }
+# dp_bench.py's results: each argument a JSON under $OUT, without .json
+show_dp() { python3 -c "
+import json, sys
+for f in sys.argv[1:]:
+    try: d = json.load(open('$OUT/' + f + '.json'))
+    except Exception as e: print(f, e); continue
+    for r in d['results']:
+        print(f, r.get('model'), r['arm'], r.get('status'), r.get('step_ms'), r.get('peak_gib_max'), r.get('reason', '')[:300])" "$@"; }
+# two GPUs: install forge, start the whole suite on GPU 1 in the background, then go on
+# in benchmarks/ with GPU 0 alone (`wait` for the suite later)
+suite_on_gpu1() { install_forge; (gpu_tests 1 330) & cd benchmarks; export CUDA_VISIBLE_DEVICES=0; }
 # seventh session, two GPUs: GPU 1 the whole suite; GPU 0 persistent_probe.py, then the
 # graphed step grid (2 rounds); then the two-GPU test. $1: the call's number
 suite_probe_step() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_tf/*.whl
-  install_forge
-  (gpu_tests 1 330) &
-  cd benchmarks
-  export CUDA_VISIBLE_DEVICES=0
+  suite_on_gpu1
   step probe; timeout 150 python3 persistent_probe.py --out $OUT/persistent_probe_call$1.json > $OUT/probe.txt 2>&1
   llama_step_grid $OUT/grid_llama8b_1x512_graphed_persistent.json 2 240
   cd ..
