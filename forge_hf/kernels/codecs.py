@@ -45,6 +45,22 @@ def code_to_float(codes):
 
 
 @triton.jit
+def absmax_biased(x, valid, KIND: tl.constexpr):
+    """An absmax8(_floored) slot's codes as biased floats (codecs.absmax_encode), blocks
+    along the last axis, and the blocks' scales; int8_code makes the stored byte."""
+    biased, scale = absmax_encode(x, valid)
+    if KIND == ABSMAX8_FLOORED:
+        biased = floor_positive(biased, x)
+    return biased, scale
+
+
+@triton.jit
+def int8_code(biased):
+    """The code is the low byte of the biased float's pattern (two's complement)."""
+    return biased.to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
 def block_index(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
     """Metadata index (BLOCK_N, BLOCK_K // 64) of the tile's codec blocks, and its mask:
     block column by block column (codecs.meta_strides), so a tile's rows are contiguous."""
@@ -121,10 +137,6 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
             tl.store(meta_ptr + 2 * block + 1, width, mask=block_keep)
             tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep)
         else:
-            biased, scale = absmax_encode(x, valid)
-            if KIND == ABSMAX8_FLOORED:
-                biased = floor_positive(biased, x)
+            biased, scale = absmax_biased(x, valid, KIND)
             tl.store(meta_ptr + block, scale, mask=block_keep)
-            # the code is the low byte of the biased float's pattern (two's complement)
-            codes = tl.reshape(biased, (BLOCK_N, BLOCK_K)).to(tl.int32, bitcast=True).to(tl.int8)
-            tl.store(ptr + offs, codes, mask=keep)
+            tl.store(ptr + offs, int8_code(tl.reshape(biased, (BLOCK_N, BLOCK_K))), mask=keep)

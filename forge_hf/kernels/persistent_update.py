@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from .codecs import ABSMAX8, ABSMAX8_FLOORED, BF16, NONE, absmax_encode, code_to_float, floor_positive
+from .codecs import ABSMAX8, BF16, NONE, absmax_biased, absmax_decode, code_to_float, int8_code
 from .fused_update import finite_sumsq, load_step_args
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
 
@@ -162,7 +162,7 @@ def _load_state(p, lane: gl.constexpr, slot: gl.constexpr, scale, layout: gl.con
     if KIND == BF16:
         value = bf16_bits_to_fp32(raw)
     else:
-        value = code_to_float(raw) * scale[:, None]
+        value = absmax_decode(code_to_float(raw), scale)
     return value
 
 
@@ -175,11 +175,8 @@ def _stage_state(p, lane: gl.constexpr, slot: gl.constexpr, value, h, meta_ptr, 
     if KIND == BF16:
         buf.store(fp32_to_bf16_bits(value, h, slot + 1, STOCHASTIC))  # slot s: hash slot s + 1
     else:
-        biased, scale = absmax_encode(value, True)
-        if KIND == ABSMAX8_FLOORED:
-            biased = floor_positive(biased, value)
-        # the code is the low byte of the biased float's pattern (codecs.absmax_encode)
-        buf.store(biased.to(gl.int32, bitcast=True).to(gl.int8))
+        biased, scale = absmax_biased(value, True, KIND)
+        buf.store(int8_code(biased))
         rows = off_n + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, value.type.layout))
         gl.store(meta_ptr + (off_k // BLOCK) * N + rows, scale)
 
