@@ -60,3 +60,9 @@ suite_probe_step() {
   tail -4 $OUT/probe.txt
   show_grid $OUT/grid_llama8b_1x512_graphed_persistent.json
 }
+# (run from benchmarks/) Nsight Compute on the persistent kernel, gate/up_proj shape at 512
+# tokens, $1 the state: the full set of sections, and stall samples per SASS instruction
+ncu_persistent() { timeout 120 ncu --clock-control none --kernel-name regex:persistent_update --launch-skip 3 --launch-count 1 \
+                     --set full --import-source no -f -o $OUT/ncu_persistent_$1 python3 profile_kernel.py --state $1 > $OUT/ncu_run_$1.txt 2>&1
+                   ncu -i $OUT/ncu_persistent_$1.ncu-rep --page details > $OUT/ncu_persistent_$1_details.txt 2>&1
+                   ncu -i $OUT/ncu_persistent_$1.ncu-rep --page source --csv --print-source sass > $OUT/ncu_persistent_$1_sass.csv 2>&1; }
