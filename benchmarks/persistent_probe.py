@@ -3,9 +3,8 @@
 Agreement: one step from the same weights, states and arguments by both kernels; the
 gradient's fp32 sums may differ in order, so the report counts equal bf16 words and the
 largest difference in ulps. Speed: GPU time (CUDA-graph replays) per Llama-3.1-8B shape at
-512 tokens and model sums, with the persistent kernel's buffer depths (ring slots,
-epilogue buffer sets) as it picks them and the other way, and optionally its ablations
-(main loop only, epilogue only). Usage: python benchmarks/persistent_probe.py [--ablations] [--out F]
+512 tokens and model sums, with the persistent kernel's ablations (main loop only,
+epilogue only). Usage: python benchmarks/persistent_probe.py [--out F]
 """
 import argparse
 import json
@@ -56,7 +55,7 @@ def triton_kernel(x, dy, w, slots, args, stats):
     launch_fused_update(x, dy, w, slots, args, stats, "adamw", True, blocks=default_config(*w.shape, x.shape[0])["blocks"])
 
 
-def check(n, k, t, precision, depths):
+def check(n, k, t, precision):
     out, stats = {}, {}
     for kernel in ("triton", "persistent"):
         x, dy, w, slots, args = setup(n, k, t, precision)
@@ -65,7 +64,7 @@ def check(n, k, t, precision, depths):
         if kernel == "triton":
             triton_kernel(x, dy, w, slots, args, stats[kernel])
         else:
-            launch_persistent(x, dy, w, slots, args, stats[kernel], ADAMW, True, depths=depths)
+            launch_persistent(x, dy, w, slots, args, stats[kernel], ADAMW, True)
         torch.cuda.synchronize()
         out[kernel] = [w] + [getattr(s, "codes", s) for s in slots[:2]] + [s.meta for s in slots[:2] if hasattr(s, "meta")]
     result = {}
@@ -78,36 +77,28 @@ def check(n, k, t, precision, depths):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--ablations", action="store_true")
     opts = ap.parse_args()
     result = dict(checks={}, rows=[])
-    # (precision, ablation or None for the Triton kernel, depths or None for the kernel's own)
-    arms = {"triton": ("bf16", None, None), "persistent": ("bf16", 0, None),
-            "persistent_ring4_2sets": ("bf16", 0, (4, 2)), "triton_int8": ("int8", None, None),
-            "persistent_int8": ("int8", 0, None), "persistent_int8_1set": ("int8", 0, (5, 1))}
-    if opts.ablations:
-        arms.update(persistent_mainloop_only=("bf16", MAINLOOP_ONLY, None),
-                    persistent_epilogue_only=("bf16", EPILOGUE_ONLY, None))
-    for arm, (precision, ablate, depths) in arms.items():
-        if ablate != 0:
-            continue
-        for n, k, t in [(256, 320, 500), (4096, 4096, 512), (1024, 4096, 100), (192, 128, 40)]:
-            key = f"{arm} {n}x{k}x{t}"
-            result["checks"][key] = check(n, k, t, precision, depths)
+    for precision in ("bf16", "int8"):
+        for n, k, t in [(256, 320, 500), (4096, 4096, 512), (1024, 4096, 100)]:
+            key = f"{precision} {n}x{k}x{t}"
+            result["checks"][key] = check(n, k, t, precision)
             print(key, result["checks"][key], flush=True)
     bw, flops = ceilings()
+    arms = {"triton": ("bf16", None), "persistent": ("bf16", 0), "persistent_mainloop_only": ("bf16", MAINLOOP_ONLY),
+            "persistent_epilogue_only": ("bf16", EPILOGUE_ONLY), "triton_int8": ("int8", None),
+            "persistent_int8": ("int8", 0)}
     totals = dict.fromkeys(arms, 0.0)
     floor_total = floor_int8 = 0.0
     for name, n, k, count in LLAMA8B:
         row = dict(shape=name, n=n, k=k, count=count)
-        for arm, (precision, ablate, depths) in arms.items():
+        for arm, (precision, ablate) in arms.items():
             x, dy, w, slots, args = setup(n, k, 512, precision)
             stats = torch.zeros(2, device="cuda")
             if ablate is None:
                 row[arm] = gpu_time(lambda: triton_kernel(x, dy, w, slots, args, stats))
             else:
-                row[arm] = gpu_time(lambda: launch_persistent(x, dy, w, slots, args, stats, ADAMW, True, ablate,
-                                                              depths))
+                row[arm] = gpu_time(lambda: launch_persistent(x, dy, w, slots, args, stats, ADAMW, True, ablate))
             totals[arm] += row[arm] * count
         moved = 2 * 512 * (n + k) + 12 * n * k
         row["floor"] = max(moved / bw, 2 * 512 * n * k / flops) * 1e3

@@ -19,8 +19,6 @@ from .compiled import launch_compiled
 from .persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
 
 NUM_BUF = 5  # ring slots a lane: 4 -> 5 was 49.3 -> 48.1 ms; 6 does not fit shared memory
-SHARED_LIMIT = 232448  # bytes of shared memory a Hopper program may have (227 KB)
-SPARE = 1024  # of which barriers and the compiler's scratch take ~450 (sm_90, Triton 3.6)
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 12 warps: 8 consumers, 2 producers (a warpgroup)
 KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED)  # al8 and fp32 states: not here
 
@@ -62,47 +60,28 @@ def layout_unsupported(x, dy, weight, slots) -> str | None:
     return None
 
 
-def buffer_depths(slot_tensors: list) -> tuple[int, int]:
-    """(ring slots, epilogue buffer sets) a lane gets for state slots stored as these
-    tensors (None: absent): two sets where they fit beside a full ring, else one."""
-    block = BLOCK_SIZE * BLOCK_SIZE
-    ring_slot = 2 * block * 2  # a chunk of x and one of dy, bf16
-    ep_set = block * 2 + sum(block * t.element_size() for t in slot_tensors if t is not None)
-    for ep_bufs in (2, 1):
-        if 2 * (NUM_BUF * ring_slot + ep_bufs * ep_set) + SPARE <= SHARED_LIMIT:
-            return NUM_BUF, ep_bufs
-    raise AssertionError("a lane's ring and one set of epilogue buffers always fit")
-
-
-def persistent_call(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0,
-                    depths: tuple[int, int] | None = None):
+def persistent_call(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0):
     """(positional arguments, constexpr arguments, compile options) of the launch for these
     tensors; tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py).
-    Arguments as fused_update.kernel_call's, ``rule_update`` the rule's jitted update.
-    Benchmarks only: ``ablate`` (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY), ``depths``
-    (ring slots, epilogue buffer sets) in place of buffer_depths'."""
+    Arguments as fused_update.kernel_call's, ``rule_update`` the rule's jitted update;
+    ``ablate``: benchmarks only (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY)."""
     n, k = weight.shape
-    # bf16 as bits; 8-bit codes as they are
-    slot_tensors = [None if s is None else s.codes if isinstance(s, QuantisedSlot) else s.view(torch.int16)
-                    for s in slots]
-    num_buf, ep_bufs = depths or buffer_depths(slot_tensors)
-    stored = [weight.view(torch.int16)]
-    stored += [stored[0] if t is None else t for t in slot_tensors]  # an absent slot's descriptor: any
+    stored = [weight.view(torch.int16)]  # bf16 as bits; 8-bit codes as they are; absent: any
+    stored += [stored[0] if s is None else s.codes if isinstance(s, QuantisedSlot) else s.view(torch.int16)
+               for s in slots]
     descs = [tensor_descriptor(x), tensor_descriptor(dy)] + [tensor_descriptor(t) for t in stored]
     metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
     kinds = [storage_kind(s) for s in slots]
     constexprs = dict(RULE_UPDATE=rule_update, S0=kinds[0], S1=kinds[1], S2=kinds[2], STOCHASTIC=stochastic,
-                      NUM_BUF=num_buf, EP_BUFS=ep_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                      ABLATE=ablate)
+                      NUM_BUF=NUM_BUF, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, ABLATE=ablate)
     options = dict(num_warps=4, maxnreg=MAXNREG, enable_fp_fusion=False)  # no FMA contraction, as the other kernel
     return descs + metas + [args, stats, n, k, x.shape[0]], constexprs, options
 
 
-def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0,
-                      depths: tuple[int, int] | None = None) -> None:
+def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0) -> None:
     """One fused step of one layer by the persistent kernel (arguments as persistent_call's)."""
     positional, constexprs, options = persistent_call(x, dy, weight, slots, args, stats, rule_update,
-                                                      stochastic, ablate, depths)
+                                                      stochastic, ablate)
     n, k = weight.shape
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
     grid = (min(sms, triton.cdiv((n // BLOCK_SIZE) * (k // BLOCK_SIZE), 2)),)  # two lanes a program

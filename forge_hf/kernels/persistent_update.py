@@ -5,14 +5,10 @@ schedule. One program per multiprocessor runs two lanes; a lane owns every
 (2 x programs)-th 64 x 64 block of the weight and is two partitions:
 
 * a producer warp issuing TMA copies: the 64-token chunks of dy and x into a ring of
-  NUM_BUF buffers, and the weight and state blocks its lane's epilogue will read into
-  one of EP_BUFS sets of buffers;
+  NUM_BUF buffers, and the weight and state blocks its lane's epilogue will read;
 * a consumer warpgroup: the block's gradient by wgmma over the chunks (fp32 registers,
   one MMA in flight), then the rule on those registers; the new blocks are written back
-  into the buffers they came in and copied out by TMA. With two sets (where shared memory
-  allows) the consumer does not wait for those copies: it releases the set during the
-  next block's main loop, and the producer copies a block's inputs in as soon as its
-  first chunk is on the way, not after the last.
+  into the buffers they came in and copied out by TMA.
 
 While one lane runs its epilogue, the other's MMAs and both producers' copies go on: the
 overlap a program that owns one block from start to end cannot get (benchmarks/NOTES.md,
@@ -60,11 +56,11 @@ class Shared:
     s2_desc: tma.tensor_descriptor
     x_bufs: gl.shared_memory_descriptor  # (2 * NUM_BUF, 64, 64): token chunks of x, a ring per lane
     dy_bufs: gl.shared_memory_descriptor  # of dy
-    w_bufs: gl.shared_memory_descriptor  # (2 * EP_BUFS, 64, 64) bf16 bits: a set's weight block
-    s_bufs: gl.shared_memory_descriptor  # (2 * EP_BUFS * slots, 64, 64): its state blocks (bf16 bits or 8-bit codes)
+    w_bufs: gl.shared_memory_descriptor  # (2, 64, 64) bf16 bits: a lane's weight block
+    s_bufs: gl.shared_memory_descriptor  # (2 * slots, 64, 64): its state blocks (bf16 bits or 8-bit codes)
     empty: gl.shared_memory_descriptor  # (2 * NUM_BUF, 1): a ring slot may be refilled
     ready: gl.shared_memory_descriptor  # its chunk has landed
-    ep_empty: gl.shared_memory_descriptor  # (2 * EP_BUFS, 1): a set of epilogue buffers is free again
+    ep_empty: gl.shared_memory_descriptor  # (2, 1): a lane's epilogue buffers are free again
     ep_ready: gl.shared_memory_descriptor  # its weight and state blocks have landed
 
     @gluon.constexpr_function
@@ -83,21 +79,9 @@ def present(S0, S1, S2):
 
 
 @gluon.constexpr_function
-def slots_before(slot, S0, S1, S2):
-    """Present state slots before slot ``slot`` (0-2)."""
-    return [0, (S0 != NONE), (S0 != NONE) + (S1 != NONE)][slot]
-
-
-@gluon.jit
-def s_index(ep, slot: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
-    """s_bufs index of buffer set ``ep``'s block of state slot ``slot`` (0-2)."""
-    return ep * max(present(S0, S1, S2), 1) + slots_before(slot, S0, S1, S2)
-
-
-@gluon.jit
-def _ep_set(lane: gl.constexpr, j, EP_BUFS: gl.constexpr):
-    """(buffer set, its barriers' phase) of a lane's j-th block: its sets in turn."""
-    return lane * EP_BUFS + j % EP_BUFS, j // EP_BUFS & 1
+def s_index(lane, slot, S0, S1, S2):
+    """s_bufs index of a lane's block of state slot ``slot`` (0-2)."""
+    return lane * max(present(S0, S1, S2), 1) + [0, (S0 != NONE), (S0 != NONE) + (S1 != NONE)][slot]
 
 
 @gluon.jit
@@ -116,46 +100,32 @@ def _copy(desc, buf, off_n, off_k, bar, IN: gl.constexpr):
 
 
 @gluon.jit
-def _ep_copies(p, ep, off_n, off_k, IN: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
-    """TMA copies of buffer set ``ep``'s weight and state blocks, in (IN, completing its
-    ep_ready) or out."""
-    bar = p.ep_ready.index(ep)
-    _copy(p.w_desc, p.w_bufs.index(ep), off_n, off_k, bar, IN)
+def _ep_copies(p, lane: gl.constexpr, off_n, off_k, IN: gl.constexpr,
+               S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
+    """TMA copies of a lane's weight and state blocks, in (IN, completing ep_ready) or out."""
+    bar = p.ep_ready.index(lane)
+    _copy(p.w_desc, p.w_bufs.index(lane), off_n, off_k, bar, IN)
     if S0 != NONE:
-        _copy(p.s0_desc, p.s_bufs.index(s_index(ep, 0, S0, S1, S2)), off_n, off_k, bar, IN)
+        _copy(p.s0_desc, p.s_bufs.index(s_index(lane, 0, S0, S1, S2)), off_n, off_k, bar, IN)
     if S1 != NONE:
-        _copy(p.s1_desc, p.s_bufs.index(s_index(ep, 1, S0, S1, S2)), off_n, off_k, bar, IN)
+        _copy(p.s1_desc, p.s_bufs.index(s_index(lane, 1, S0, S1, S2)), off_n, off_k, bar, IN)
     if S2 != NONE:
-        _copy(p.s2_desc, p.s_bufs.index(s_index(ep, 2, S0, S1, S2)), off_n, off_k, bar, IN)
+        _copy(p.s2_desc, p.s_bufs.index(s_index(lane, 2, S0, S1, S2)), off_n, off_k, bar, IN)
 
 
 @gluon.jit
-def _load_ep(p, ep, phase, off_n, off_k, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
-    """A block's weight and state blocks into set ``ep``, once that set's last copies out
-    have read it."""
+def producer(p, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr,
+             S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, ABLATE: gl.constexpr):
+    chunk_bytes: gl.constexpr = 2 * p.x_desc.block_type.nbytes
     ep_bytes: gl.constexpr = p.w_desc.block_type.nbytes + (
         (S0 != NONE) * p.s0_desc.block_type.nbytes + (S1 != NONE) * p.s1_desc.block_type.nbytes
         + (S2 != NONE) * p.s2_desc.block_type.nbytes)
-    mbarrier.wait(p.ep_empty.index(ep), phase ^ 1)
-    mbarrier.expect(p.ep_ready.index(ep), ep_bytes)
-    _ep_copies(p, ep, off_n, off_k, True, S0, S1, S2)
-
-
-@gluon.jit
-def producer(p, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr, EP_BUFS: gl.constexpr,
-             S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, ABLATE: gl.constexpr):
-    chunk_bytes: gl.constexpr = 2 * p.x_desc.block_type.nbytes
-    # with two sets the epilogue's blocks go right after the block's first chunk (the set
-    # was freed during the previous block's main loop); with one, after its last chunk
-    EARLY: gl.constexpr = (EP_BUFS > 1) * (ABLATE == 0)
-    LATE: gl.constexpr = (EARLY == 0) * (ABLATE != MAINLOOP_ONLY)
     blocks_n, first, num_blocks, stride = _lane_blocks(N, K, lane)
     i = 0  # chunks issued
     j = 0  # blocks issued
     for block in range(first, num_blocks, stride):
         off_n = (block % blocks_n) * BLOCK
         off_k = (block // blocks_n) * BLOCK
-        ep, phase = _ep_set(lane, j, EP_BUFS)
         if ABLATE != EPILOGUE_ONLY:
             for t0 in range(0, T, BLOCK):  # TMA fills tokens past T with zeros
                 slot = lane * NUM_BUF + i % NUM_BUF
@@ -165,11 +135,11 @@ def producer(p, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr, EP_BUFS: gl.
                 tma_load(p.x_desc, [t0, off_k], bar, p.x_bufs.index(slot))
                 tma_load(p.dy_desc, [t0, off_n], bar, p.dy_bufs.index(slot))
                 i += 1
-                if EARLY:
-                    if t0 == 0:
-                        _load_ep(p, ep, phase, off_n, off_k, S0, S1, S2)
-        if LATE:
-            _load_ep(p, ep, phase, off_n, off_k, S0, S1, S2)
+        if ABLATE != MAINLOOP_ONLY:
+            # the epilogue's blocks, once the lane's previous epilogue has written its own out
+            mbarrier.wait(p.ep_empty.index(lane), (j & 1) ^ 1)
+            mbarrier.expect(p.ep_ready.index(lane), ep_bytes)
+            _ep_copies(p, lane, off_n, off_k, True, S0, S1, S2)
         j += 1
 
 
@@ -186,9 +156,9 @@ def _scales(meta_ptr, off_n, off_k, N, layout: gl.constexpr, KIND: gl.constexpr)
 
 
 @gluon.jit
-def _load_state(p, ep, slot: gl.constexpr, scale, layout: gl.constexpr,
+def _load_state(p, lane: gl.constexpr, slot: gl.constexpr, scale, layout: gl.constexpr,
                 S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, KIND: gl.constexpr):
-    raw = p.s_bufs.index(s_index(ep, slot, S0, S1, S2)).load(layout)
+    raw = p.s_bufs.index(s_index(lane, slot, S0, S1, S2)).load(layout)
     if KIND == BF16:
         value = bf16_bits_to_fp32(raw)
     else:
@@ -197,11 +167,11 @@ def _load_state(p, ep, slot: gl.constexpr, scale, layout: gl.constexpr,
 
 
 @gluon.jit
-def _stage_state(p, ep, slot: gl.constexpr, value, h, meta_ptr, off_n, off_k, N,
+def _stage_state(p, lane: gl.constexpr, slot: gl.constexpr, value, h, meta_ptr, off_n, off_k, N,
                  STOCHASTIC: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
                  KIND: gl.constexpr):
     """Write a state block into its buffer (an 8-bit one's scales straight to memory)."""
-    buf = p.s_bufs.index(s_index(ep, slot, S0, S1, S2))
+    buf = p.s_bufs.index(s_index(lane, slot, S0, S1, S2))
     if KIND == BF16:
         buf.store(fp32_to_bf16_bits(value, h, slot + 1, STOCHASTIC))  # slot s: hash slot s + 1
     else:
@@ -212,25 +182,24 @@ def _stage_state(p, ep, slot: gl.constexpr, value, h, meta_ptr, off_n, off_k, N,
 
 
 @gluon.jit
-def epilogue(p, acc, ep, phase, off_n, off_k, N, K, c, row0, salt, step, meta, scales,
+def epilogue(p, acc, lane: gl.constexpr, phase, off_n, off_k, N, K, c, row0, salt, step, meta, scales,
              RULE_UPDATE: gl.constexpr, STOCHASTIC: gl.constexpr,
-             S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, EP_BUFS: gl.constexpr):
-    """The rule on one block's gradient, its inputs and outputs in buffer set ``ep``;
-    returns its squared sum and whether the block was applied (one whose squared sum is
-    not finite is not written). With one set, the set is released here."""
+             S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
+    """The rule on one block's gradient; returns its squared sum and whether the block
+    was applied (one whose squared sum is not finite is not written)."""
     layout: gl.constexpr = acc.type.layout
     sumsq, ok = finite_sumsq(acc)
-    mbarrier.wait(p.ep_ready.index(ep), phase)
-    w = bf16_bits_to_fp32(p.w_bufs.index(ep).load(layout))
+    mbarrier.wait(p.ep_ready.index(lane), phase)
+    w = bf16_bits_to_fp32(p.w_bufs.index(lane).load(layout))
     s0 = gl.zeros_like(acc)
     s1 = s0
     s2 = s0
     if S0 != NONE:
-        s0 = _load_state(p, ep, 0, scales[0], layout, S0, S1, S2, S0)
+        s0 = _load_state(p, lane, 0, scales[0], layout, S0, S1, S2, S0)
     if S1 != NONE:
-        s1 = _load_state(p, ep, 1, scales[1], layout, S0, S1, S2, S1)
+        s1 = _load_state(p, lane, 1, scales[1], layout, S0, S1, S2, S1)
     if S2 != NONE:
-        s2 = _load_state(p, ep, 2, scales[2], layout, S0, S1, S2, S2)
+        s2 = _load_state(p, lane, 2, scales[2], layout, S0, S1, S2, S2)
     w, s0, s1, s2 = RULE_UPDATE(w, acc, s0, s1, s2, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9],
                                 c[10], c[11])
     if STOCHASTIC:
@@ -241,30 +210,23 @@ def epilogue(p, acc, ep, phase, off_n, off_k, N, K, c, row0, salt, step, meta, s
         h = 0
     if ok:
         # each thread overwrites only the elements it read: no barrier in between
-        p.w_bufs.index(ep).store(fp32_to_bf16_bits(w, h, 0, STOCHASTIC))
+        p.w_bufs.index(lane).store(fp32_to_bf16_bits(w, h, 0, STOCHASTIC))
         if S0 != NONE:
-            _stage_state(p, ep, 0, s0, h, meta[0], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S0)
+            _stage_state(p, lane, 0, s0, h, meta[0], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S0)
         if S1 != NONE:
-            _stage_state(p, ep, 1, s1, h, meta[1], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S1)
+            _stage_state(p, lane, 1, s1, h, meta[1], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S1)
         if S2 != NONE:
-            _stage_state(p, ep, 2, s2, h, meta[2], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S2)
+            _stage_state(p, lane, 2, s2, h, meta[2], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S2)
         fence_async_shared()
-        _ep_copies(p, ep, off_n, off_k, False, S0, S1, S2)
-    if EP_BUFS == 1:
-        _release(p, ep)
+        _ep_copies(p, lane, off_n, off_k, False, S0, S1, S2)
+        tma.store_wait(0)  # the copies have read the buffers (deferring this gained nothing)
+    mbarrier.arrive(p.ep_empty.index(lane), count=1)
     return sumsq, ok
 
 
 @gluon.jit
-def _release(p, ep):
-    """Free buffer set ``ep`` for the producer once the copies out have read it."""
-    tma.store_wait(0)
-    mbarrier.arrive(p.ep_empty.index(ep), count=1)
-
-
-@gluon.jit
 def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr,
-             EP_BUFS: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
+             S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
              RULE_UPDATE: gl.constexpr, STOCHASTIC: gl.constexpr, ABLATE: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK, 16])
@@ -275,11 +237,9 @@ def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.c
     i = 0  # chunks consumed
     j = 0  # blocks done
     prev = 0
-    held = -1  # with two buffer sets: the set the last epilogue's copies out still read (-1: none)
     for block in range(first, num_blocks, stride):
         off_n = (block % blocks_n) * BLOCK
         off_k = (block // blocks_n) * BLOCK
-        ep, phase = _ep_set(lane, j, EP_BUFS)
         acc = gl.zeros((BLOCK, BLOCK), gl.float32, mma)
         # 8-bit slots' scales: loaded now, used after the main loop
         scales = (_scales(m0_ptr, off_n, off_k, N, mma, S0), _scales(m1_ptr, off_n, off_k, N, mma, S1),
@@ -295,27 +255,16 @@ def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.c
                 mbarrier.arrive(p.empty.index(prev), count=1, pred=t0 > 0)
                 prev = slot
                 i += 1
-                if EP_BUFS > 1:  # the previous block's copies out have had a chunk's time
-                    if (t0 == BLOCK) & (held >= 0):
-                        _release(p, held)
-                        held = -1
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(p.empty.index(prev), count=1)
-        if EP_BUFS > 1:
-            if held >= 0:  # a main loop of one chunk, or none
-                _release(p, held)
-                held = -1
         if ABLATE == MAINLOOP_ONLY:  # keep the gradient alive, skip the rule
             total += gl.sum(gl.sum(acc, axis=1), axis=0)
         else:
-            sumsq, ok = epilogue(p, acc, ep, phase, off_n, off_k, N, K, c, row0, salt, step,
-                                 (m0_ptr, m1_ptr, m2_ptr), scales, RULE_UPDATE, STOCHASTIC, S0, S1, S2, EP_BUFS)
+            sumsq, ok = epilogue(p, acc, lane, j & 1, off_n, off_k, N, K, c, row0, salt, step,
+                                 (m0_ptr, m1_ptr, m2_ptr), scales, RULE_UPDATE, STOCHASTIC, S0, S1, S2)
             total += gl.where(ok, sumsq, 0.0)
             bad += gl.where(ok, 0.0, 1.0)
-            if EP_BUFS > 1:
-                held = ep
         j += 1
-    tma.store_wait(0)  # the last copies out have read their buffers before the program ends
     # relaxed: the sums are read after the kernel, which orders them
     gl.atomic_add(stats_ptr, total, sem="relaxed")
     gl.atomic_add(stats_ptr + 1, bad, sem="relaxed")
@@ -325,11 +274,11 @@ def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.c
 def persistent_update_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, m0_ptr, m1_ptr, m2_ptr,
                              args_ptr, stats_ptr, N, K, T,
                              RULE_UPDATE: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
-                             STOCHASTIC: gl.constexpr, NUM_BUF: gl.constexpr, EP_BUFS: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr):
+                             STOCHASTIC: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * NUM_BUF] + x_desc.block_type.shape, x_desc.layout)
     dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [2 * NUM_BUF] + dy_desc.block_type.shape, dy_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * EP_BUFS] + w_desc.block_type.shape, w_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape, w_desc.layout)
     # the state slots share a storage (bf16 bits or 8-bit codes): the first present one's
     if S0 != NONE:
         s_desc = s0_desc
@@ -337,28 +286,26 @@ def persistent_update_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc,
         s_desc = s1_desc
     else:
         s_desc = s2_desc
-    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [2 * EP_BUFS * max(present(S0, S1, S2), 1)]
-                                       + s_desc.block_type.shape, s_desc.layout)
+    s_bufs = gl.allocate_shared_memory(s_desc.dtype, [2 * max(present(S0, S1, S2), 1)] + s_desc.block_type.shape,
+                                       s_desc.layout)
     empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUF, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUF, 1], mbarrier.MBarrierLayout())
-    ep_empty = gl.allocate_shared_memory(gl.int64, [2 * EP_BUFS, 1], mbarrier.MBarrierLayout())
-    ep_ready = gl.allocate_shared_memory(gl.int64, [2 * EP_BUFS, 1], mbarrier.MBarrierLayout())
+    ep_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ep_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(2 * NUM_BUF):
         mbarrier.init(empty.index(b), count=1)
         mbarrier.init(ready.index(b), count=1)
-    for b in gl.static_range(2 * EP_BUFS):
+    for b in gl.static_range(2):
         mbarrier.init(ep_empty.index(b), count=1)
         mbarrier.init(ep_ready.index(b), count=1)
     p = Shared(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc, x_bufs, dy_bufs, w_bufs, s_bufs,
                empty, ready, ep_empty, ep_ready)
     # lane 0's consumer is the default partition; worker partitions take no tensors
     gl.warp_specialize([
-        (consumer, (p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, 0, NUM_BUF, EP_BUFS, S0, S1, S2,
-                    RULE_UPDATE, STOCHASTIC, ABLATE)),
-        (consumer, (p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, 1, NUM_BUF, EP_BUFS, S0, S1, S2,
-                    RULE_UPDATE, STOCHASTIC, ABLATE)),
-        (producer, (p, N, K, T, 0, NUM_BUF, EP_BUFS, S0, S1, S2, ABLATE)),
-        (producer, (p, N, K, T, 1, NUM_BUF, EP_BUFS, S0, S1, S2, ABLATE)),
+        (consumer, (p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, 0, NUM_BUF, S0, S1, S2, RULE_UPDATE, STOCHASTIC, ABLATE)),
+        (consumer, (p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, 1, NUM_BUF, S0, S1, S2, RULE_UPDATE, STOCHASTIC, ABLATE)),
+        (producer, (p, N, K, T, 0, NUM_BUF, S0, S1, S2, ABLATE)),
+        (producer, (p, N, K, T, 1, NUM_BUF, S0, S1, S2, ABLATE)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
