@@ -111,6 +111,10 @@ def hf_loss(model, batch):
 
 def run_cell(model_name, arm, batch, seq, opts):
     """One arm on one (model, batch x seq) cell; ``opts``: the command line's options."""
+    # cuBLAS keeps a workspace (32 MiB a handle) for each stream that ran a matmul, counted
+    # as allocated: earlier arms' streams would raise this arm's peak (64-192 MiB, NOTES.md)
+    if torch.cuda.is_available():
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     result = dict(model=model_name, arm=arm, batch=batch, seq=seq, checkpointing=opts.checkpointing,

@@ -1,9 +1,12 @@
 """The chunked cross-entropy against float64 and against Hugging Face's loss: several
 blocks of rows with a partial last one, ignored targets, bf16 and fp32 logits."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forge_hf.loss import ChunkedCrossEntropy, causal_lm_loss, cross_entropy
@@ -134,3 +137,34 @@ def test_a_second_backward_is_refused_not_computed_from_overwritten_logits():
     with pytest.raises(RuntimeError, match="backward ran twice.*retain_graph"):
         loss.backward()
     assert torch.equal(x.grad, first)  # nothing added
+
+
+class _LiveBlocks(TorchDispatchMode):
+    """The most fp32 tensors of one block's shape alive at once while the mode is on."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.alive, self.most = tuple(shape), {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == self.shape:
+                self.alive[id(t)] = weakref.ref(t, lambda _, key=id(t): self.alive.pop(key, None))
+        self.most = max(self.most, len(self.alive))
+        return out
+
+
+def test_backward_keeps_one_fp32_block_of_rows_alive():
+    """The gradient is formed in place a block of rows at a time: a Llama-3 step's peak
+    falls in this backward, with every activation still saved (three blocks alive there
+    cost 0.12 GiB)."""
+    logits, targets = _logits_targets(torch.bfloat16)
+    x = logits.clone().requires_grad_()
+    loss = ChunkedCrossEntropy.apply(x, targets, -100, 4)
+    with _LiveBlocks((4, V)) as live:
+        loss.backward()
+    assert live.most == 1
+    ref = logits.clone().requires_grad_()
+    F.cross_entropy(ref.float(), targets, ignore_index=-100).backward()
+    assert bf16_ulps_apart(x.grad, ref.grad).max() <= 1
