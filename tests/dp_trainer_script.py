@@ -5,10 +5,10 @@ import os
 import sys
 
 import torch
+from dp_worker import SEQ, VOCAB, tiny_llama
 from transformers import TrainingArguments
 
 import forge_hf
-from dp_worker import VOCAB, SEQ, tiny_llama
 
 
 def main(out_dir, per_device, mode):

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import forge_hf
 from forge_hf import GraphedStep
-from forge_hf.distributed import average_gradients, broadcast_parameters, enable_data_parallel
+from forge_hf.optim.distributed import average_gradients, broadcast_parameters, enable_data_parallel
 
 VOCAB, SEQ = 128, 8
 
@@ -52,7 +52,7 @@ def train(world, rank, local_batch, steps, mode, state_precision="fp32", reducer
             runner = DistributedDataParallel(model)
         else:
             broadcast_parameters(model)
-            counts = next(iter(forge_hf.optim.fused_layers(model).values())).forge_dp.gather.counts
+            counts = next(iter(forge_hf.optim.optimizer.fused_layers(model).values())).forge_dp.gather.counts
     opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01)
     for step in range(steps):
         ids = global_batch(step, world * local_batch).to(device)
@@ -86,7 +86,7 @@ def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model, opt = train(world, rank, local_batch, steps, mode, reducer=reducer,
                        device="cuda" if reducer == "graphed" else "cpu")
-    fused = forge_hf.optim.fused_layers(model)
+    fused = forge_hf.optim.optimizer.fused_layers(model)
     state_bytes = sum(m.forge_state.nbytes() for m in fused.values())
     sent = sum(m.forge_dp.bytes_sent for m in fused.values())
     full_state = opt.state_dict()  # gathers shards: loadable by one process

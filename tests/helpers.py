@@ -47,7 +47,7 @@ class FakeTwoRanks:
     calls: the collectives' structure, checked without processes."""
 
     def __init__(self, monkeypatch):
-        from forge_hf import distributed
+        from forge_hf.optim import distributed
 
         self.calls = []
         monkeypatch.setattr(distributed.dist, "all_gather_into_tensor", self.all_gather_into_tensor)
@@ -65,7 +65,7 @@ class FakeTwoRanks:
 
 def two_rank_gather(counts=None):
     """A TokenGather of rank 0 of two, without a process group (with FakeTwoRanks)."""
-    from forge_hf.distributed import TokenCounts, TokenGather
+    from forge_hf.optim.distributed import TokenCounts, TokenGather
 
     if counts is None:
         counts = TokenCounts.__new__(TokenCounts)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from helpers import assert_close_rel, bf16_ulps_apart, exact_inputs
 
 from forge_hf import ForgeLinear
-from forge_hf.rules import RULES
-from helpers import assert_close_rel, bf16_ulps_apart, exact_inputs
+from forge_hf.core.rules import RULES
 
 PRECISIONS = [  # (weight dtype, state precision, rounding)
     (torch.float32, "fp32", "stochastic"),

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from forge_hf.codecs import BLOCK, CODECS, MIN_LOG_WIDTH, decode, encode
-from forge_hf.quantization import SPREADS, quantization_report, round_trip, synthetic_states
+from forge_hf.core.codecs import BLOCK, CODECS, MIN_LOG_WIDTH, decode, encode
+from forge_hf.optim.quantization import SPREADS, quantization_report, round_trip, synthetic_states
 
 AL8, ABSMAX8, FLOORED = CODECS["al8"], CODECS["absmax8"], CODECS["absmax8_floored"]
 

@@ -9,8 +9,8 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from forge_hf.arguments import DataArguments
-from forge_hf.data import build_datasets, pack, row_tokens
+from forge_hf.train.arguments import DataArguments
+from forge_hf.train.data import build_datasets, pack, row_tokens
 
 ASSETS = Path(__file__).resolve().parents[1] / "forge_hf" / "assets" / "smoke"
 CORPUS = ASSETS / "omi2_mini.jsonl"

@@ -6,12 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dp_worker
 import pytest
 import torch
-
-import dp_worker
-from forge_hf.distributed import row_band
 from helpers import RTOL_FP32, FakeTwoRanks, two_rank_gather
+
+from forge_hf.optim.distributed import row_band
 
 STEPS, LOCAL_BATCH = 5, 1  # 8 tokens a rank: below every layer's in*out/(in+out)
 HERE = Path(__file__).parent
@@ -73,7 +73,7 @@ def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, 
             assert torch.equal(w, r["weights"][name]), f"replicas differ in {name}"
     _assert_like_single_process(ranks[0]["weights"], single)
 
-    fused = dp_worker.forge_hf.optim.fused_layers(model)
+    fused = dp_worker.forge_hf.optim.optimizer.fused_layers(model)
     single_state = sum(m.forge_state.nbytes() for m in fused.values())
     per_rank = [r["state_bytes"] for r in ranks]
     if mode == "sharded":
@@ -107,7 +107,7 @@ def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, 
     fresh_model, _ = dp_worker.train(world, -1, LOCAL_BATCH, 0, mode=None)
     fresh = ForgeOptimizer(fresh_model, lr=1e-3, weight_decay=0.01)
     fresh.load_state_dict(ranks[0]["optimizer"])
-    for (name, m), m_ref in zip(dp_worker.forge_hf.optim.fused_layers(fresh_model).items(), fused.values()):
+    for (name, m), m_ref in zip(dp_worker.forge_hf.optim.optimizer.fused_layers(fresh_model).items(), fused.values()):
         assert m.forge_state.step == m_ref.forge_state.step
         for a, b in zip(m.forge_state.slots, m_ref.forge_state.slots):
             if b is not None:
@@ -166,11 +166,11 @@ def one_process_group(tmp_path):
 def test_world_of_one_steps_like_no_data_parallelism(mode, one_process_group):
     """The data-parallel path at world size 1 is the plain fused step, for a Linear and for
     a Conv1D whose weight is stored (in, out) with more inputs than outputs."""
+    from helpers import exact_inputs
     from transformers.pytorch_utils import Conv1D
 
     from forge_hf import ForgeConv1D, ForgeLinear
-    from forge_hf.distributed import DataParallelFusion
-    from helpers import exact_inputs
+    from forge_hf.optim.distributed import DataParallelFusion
 
     for make, adopt in ((lambda: torch.nn.Linear(90, 40, bias=False), ForgeLinear.from_linear),
                         (lambda: Conv1D(40, 90), ForgeConv1D.from_conv1d)):
@@ -254,7 +254,7 @@ def test_frozen_token_counts_make_no_exchange_and_refuse_a_new_count(monkeypatch
 
 
 def test_average_gradients_divides_then_sums_every_gradient_it_finds(monkeypatch):
-    from forge_hf import distributed
+    from forge_hf.optim import distributed
 
     other_rank = {}  # the other rank's share, already divided by the world size
 
@@ -276,7 +276,7 @@ def test_average_gradients_divides_then_sums_every_gradient_it_finds(monkeypatch
 
 
 def test_ranks_with_different_fused_calls_get_an_error_not_a_hang(monkeypatch):
-    from forge_hf import distributed
+    from forge_hf.optim import distributed
 
     def all_gather_into_tensor(out, inp, group=None, async_op=False):  # the other rank: one call more
         out.copy_(torch.cat([inp, inp + 1]))
@@ -290,7 +290,7 @@ def test_ranks_with_different_fused_calls_get_an_error_not_a_hang(monkeypatch):
 
 def test_updated_rows_travel_on_their_own_process_group(monkeypatch):
     """The next layer's token gather (on the tokens' group) must not queue behind them."""
-    from forge_hf.distributed import DataParallelFusion
+    from forge_hf.optim.distributed import DataParallelFusion
 
     fake = FakeTwoRanks(monkeypatch)
     dp = DataParallelFusion.__new__(DataParallelFusion)
@@ -310,7 +310,7 @@ def test_optimizer_sums_band_statistics_over_each_layers_own_group(monkeypatch):
     import types
 
     from forge_hf import ForgeLinear, ForgeOptimizer
-    from forge_hf import optim as forge_optim
+    from forge_hf.optim import optimizer as forge_optim
 
     calls = []
 

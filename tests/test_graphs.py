@@ -11,11 +11,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import forge_hf
-from forge_hf.graphs import GraphedStep, captured_addresses, check_batch
-from forge_hf.loss import causal_lm_loss
-from forge_hf.rules import get_rule, make_group
-from forge_hf.state import ForgeState
-from forge_hf.step_args import ARGS_LEN, ArgsTable, pack_args, step_args
+from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, next_launch_args, pack_args
+from forge_hf.core.rules import get_rule, make_group
+from forge_hf.core.state import ForgeState
+from forge_hf.nn.loss import causal_lm_loss
+from forge_hf.optim.graphs import GraphedStep, captured_addresses, check_batch
 
 VOCAB, SEQ = 96, 24
 
@@ -33,7 +33,7 @@ def test_the_table_holds_the_eager_arguments_step_after_step(rule_name):
     eager, captured = _states(rule, 3), _states(rule, 3)
     table = ArgsTable(capacity=5, device="cpu")
     with table.recording():
-        rows = [step_args(rule, group, s, salt=11 * i, device="cpu", row0=i) for i, s in enumerate(captured)]
+        rows = [next_launch_args(rule, group, s, salt=11 * i, device="cpu", row0=i) for i, s in enumerate(captured)]
     assert [s.step for s in captured] == [0, 0, 0]  # a capture runs no step
     assert all(r.data_ptr() == table.device_rows[i].data_ptr() for i, r in enumerate(rows))
     assert all(r.data_ptr() % 16 == 0 for r in rows)  # as fresh tensors: the same compiled kernels
@@ -41,7 +41,7 @@ def test_the_table_holds_the_eager_arguments_step_after_step(rule_name):
         group["lr"] = 1e-3 / step  # a scheduler between steps
         table.refresh()
         for i, (s, row) in enumerate(zip(eager, rows)):
-            expected = step_args(rule, group, s, salt=11 * i, device="cpu", row0=i)
+            expected = next_launch_args(rule, group, s, salt=11 * i, device="cpu", row0=i)
             assert torch.equal(row, expected), f"step {step}, row {i}"
         assert [s.step for s in captured] == [step] * 3
         assert [s.host for s in captured] == [s.host for s in eager]
@@ -53,8 +53,8 @@ def test_a_bad_hyperparameter_at_refresh_moves_no_counter():
     states = _states(rule, 2)
     table = ArgsTable(capacity=2, device="cpu")
     with table.recording():
-        step_args(rule, good, states[0], 1, "cpu")
-        step_args(rule, bad, states[1], 2, "cpu")
+        next_launch_args(rule, good, states[0], 1, "cpu")
+        next_launch_args(rule, bad, states[1], 2, "cpu")
     table.refresh()
     bad["betas"] = (0.3, 0.999)
     with pytest.raises(ValueError, match="0.7"):
@@ -70,15 +70,16 @@ def test_the_table_refuses_more_rows_than_its_capacity_and_nested_captures():
     group, (state,) = make_group(rule, {}), _states(rule, 1)
     table = ArgsTable(capacity=1, device="cpu")
     with table.recording():
-        step_args(rule, group, state, 0, "cpu")
+        next_launch_args(rule, group, state, 0, "cpu")
         with pytest.raises(RuntimeError, match="more than 1 rule steps"):
-            step_args(rule, group, state, 0, "cpu")
+            next_launch_args(rule, group, state, 0, "cpu")
         with pytest.raises(RuntimeError, match="cannot be nested"):
             with ArgsTable(1, "cpu").recording():
                 pass
     assert table.device_rows.shape == (1, ARGS_LEN)
     # outside a capture the eager path is back
-    assert torch.equal(step_args(rule, group, state, 0, "cpu"), pack_args(rule.prepare(group, dict(state.host, step=0)), 1, 0, "cpu"))
+    expected = pack_args(rule.prepare(group, dict(state.host, step=0)), 1, 0, "cpu")
+    assert torch.equal(next_launch_args(rule, group, state, 0, "cpu"), expected)
 
 
 def test_a_batch_must_match_the_captured_inputs():
@@ -212,7 +213,7 @@ def test_graphed_steps_equal_eager_steps_bit_for_bit(rule, state_precision, dtyp
     graphed, graphed_opt = parallel_model(rule, state_precision, dtype)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (eager_opt, graphed_opt)]
     step = GraphedStep(graphed, graphed_opt, loss_fn=parallel_loss, warmup_steps=2)
-    for i, batch in enumerate(parallel_batches(7, dtype)):
+    for batch in parallel_batches(7, dtype):
         parallel_loss(eager, batch).backward()
         eager_opt.step()
         eager_opt.zero_grad(set_to_none=True)
@@ -334,7 +335,7 @@ def test_a_dropped_graphed_step_gives_its_memory_back():
 
 @pytest.mark.gpu
 def test_a_kernel_first_needed_during_a_capture_is_refused_clearly():
-    from forge_hf.kernels.fused_update import launch_fused_update
+    from forge_hf.kernels.dispatch import launch_fused_update
 
     w = torch.zeros(40, 24, device="cuda")  # fp32 weight, (32, 32, 32) tiles: a variant nothing ran
     x, dy = torch.ones(8, 24, device="cuda"), torch.ones(8, 40, device="cuda")

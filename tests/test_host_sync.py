@@ -7,10 +7,10 @@ every such synchronisation into an error."""
 
 import pytest
 import torch
+from helpers import FakeTwoRanks, two_rank_gather
 from torch import nn
 
 import forge_hf
-from helpers import FakeTwoRanks, two_rank_gather
 
 pytestmark = pytest.mark.gpu
 

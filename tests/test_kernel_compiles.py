@@ -3,8 +3,8 @@
 The interpreter runs Triton kernels as Python (and cannot run the Gluon one), so errors
 that only the compiler sees (types of branches, constexpr folding, global lookups) would
 wait for a GPU run. Triton's wheel carries ptxas, so the whole pipeline down to the cubin
-runs here; each variant is what launch_fused_update would launch for those tensors. The compiles run in one child process
-without TRITON_INTERPRET (conftest sets it for this one)."""
+runs here; each variant is what launch_fused_update would launch for those tensors. The compiles run in one
+child process without TRITON_INTERPRET (conftest sets it for this one)."""
 
 import json
 import os
@@ -36,10 +36,15 @@ def compile_all() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from forge_hf.kernels.fused_update import compile_options, default_config, fused_update_kernel, kernel_call
-    from forge_hf.step_args import pack_args
-    from forge_hf.rules import get_rule, make_group
-    from forge_hf.state import ForgeState
+    from forge_hf.core.launch_args import pack_args
+    from forge_hf.core.rules import get_rule, make_group
+    from forge_hf.core.state import ForgeState
+    from forge_hf.kernels.fused_update import (
+        compile_options,
+        default_config,
+        fused_launch_arguments,
+        fused_update_kernel,
+    )
 
     extra = {"rmsprop": dict(momentum=0.9, centered=True), "sgd": dict(momentum=0.9)}
     names = fused_update_kernel.arg_names
@@ -58,8 +63,9 @@ def compile_all() -> dict:
                 if grad:  # the gradient is read: x is the (N, K) gradient itself
                     x = dy = torch.zeros(200, 300, dtype=torch.bfloat16)
                 config = default_config(200, 300, 0 if grad else 77)  # what a GPU launch uses
-                _, positional, constexprs = kernel_call(x, dy, weight, state.kernel_slots(), args, torch.zeros(2),
-                                                        rule_name, True, dot_fp32=False, grad_given=bool(grad))
+                _, positional, constexprs = fused_launch_arguments(
+                    x, dy, weight, state.kernel_slots(), args, torch.zeros(2), rule_name, True, dot_fp32=False,
+                    grad_given=bool(grad))
                 sig = _signature(names, positional)
                 sig.update({k: "constexpr" for k in constexprs})
                 source = triton.compiler.ASTSource(
@@ -84,12 +90,12 @@ def compile_persistent() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from forge_hf.core.launch_args import pack_args
+    from forge_hf.core.rules import get_rule, make_group
+    from forge_hf.core.state import ForgeState
     from forge_hf.kernels.fused_update import RULE_UPDATES
-    from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_call
+    from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_launch_arguments
     from forge_hf.kernels.persistent_update import persistent_update_kernel
-    from forge_hf.rules import get_rule, make_group
-    from forge_hf.state import ForgeState
-    from forge_hf.step_args import pack_args
 
     names = persistent_update_kernel.arg_names
     results = {}
@@ -105,8 +111,8 @@ def compile_persistent() -> dict:
                 x, dy = torch.zeros(100, 192, dtype=torch.bfloat16), torch.zeros(100, 128, dtype=torch.bfloat16)
                 assert layout_unsupported(x, dy, weight, slots) is None
                 args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
-                positional, constexprs, options = persistent_call(x, dy, weight, slots, args, torch.zeros(2),
-                                                                  RULE_UPDATES[rule.name], stochastic)
+                positional, constexprs, options = persistent_launch_arguments(
+                    x, dy, weight, slots, args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic)
                 sig = _signature(names, positional)
                 sig.update({k: "constexpr" for k in constexprs})
                 source = GluonASTSource(fn=persistent_update_kernel, signature=sig,

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from helpers import exact_gradient, exact_inputs
 
 from forge_hf import ForgeLinear
 from forge_hf.kernels.fused_update import default_blocks
-from helpers import exact_gradient, exact_inputs
 
 
 def test_from_linear_reuses_parameters_and_to_linear_restores_them():
@@ -164,7 +164,7 @@ def test_changing_lr_never_recompiles():
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
-    from forge_hf.linear import resolve_backend
+    from forge_hf.kernels.dispatch import resolve_backend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="backend='triton' needs Triton and a CUDA device"):

@@ -6,11 +6,11 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import bf16_ulps_apart
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from forge_hf.loss import ChunkedCrossEntropy, causal_lm_loss, cross_entropy
-from helpers import bf16_ulps_apart
+from forge_hf.nn.loss import ChunkedCrossEntropy, causal_lm_loss, cross_entropy
 
 N, V = 10, 37
 
@@ -108,9 +108,9 @@ def test_under_capture_the_cache_stays_so_sdpa_gets_no_mask(monkeypatch):
     CUDA graph is captured and builds a 4-D mask (SDPA's masked path keeps expanded keys and
     values for backward); with its cache it passes none. Capture is emulated on CPU."""
     import transformers.integrations.sdpa_attention as sdpa
-
-    from forge_hf import loss
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from forge_hf.nn import loss
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          attn_implementation="sdpa")
@@ -150,7 +150,8 @@ class _LiveBlocks(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == self.shape:
-                self.alive[id(t)] = weakref.ref(t, lambda _, key=id(t): self.alive.pop(key, None))
+                key = id(t)
+                self.alive[key] = weakref.ref(t, lambda _, key=key: self.alive.pop(key, None))
         self.most = max(self.most, len(self.alive))
         return out
 

@@ -9,15 +9,15 @@ import warnings
 import pytest
 import torch
 import transformers
+from conftest import DEVICE
+from helpers import RTOL_FP32, assert_close_rel, exact_inputs
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forge_hf import ForgeLinear
-from forge_hf.linear import ForgeFallbackWarning
-from forge_hf.optim import ForgeOptimizer, default_decay_parameter_names
-from forge_hf.patch import patch_model
-from conftest import DEVICE
-from helpers import RTOL_FP32, assert_close_rel, exact_inputs
+from forge_hf.nn.linear import ForgeFallbackWarning
+from forge_hf.optim.optimizer import ForgeOptimizer, default_decay_parameter_names
+from forge_hf.optim.patch import patch_model
 
 VOCAB, SEQ = 128, 16
 

@@ -9,15 +9,36 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from test_patch_models import (
+    CASES,
+    HP,
+    STEPS,
+    Case,
+    assert_trained_alike,
+    build,
+    no_fallback,
+    run_pair,
+    tiny_llama,
+    train,
+)
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from forge_hf.conv1d import ForgeConv1D
-from forge_hf.linear import ForgeFallbackWarning, ForgeLinear
-from forge_hf.patch import (BELOW_MIN_PARAMS, EXCLUDED, EXPERT_TENSOR, FROZEN, LIGER_LM_HEAD, NOT_INCLUDED,
-                            SHARED, TIED, UNSUPPORTED, patch_model, unpatch_model)
-from test_patch_models import (CASES, HP, STEPS, Case, assert_trained_alike, build, no_fallback, run_pair, tiny_llama,
-                               train)
+from forge_hf.nn.conv1d import ForgeConv1D
+from forge_hf.nn.linear import ForgeFallbackWarning, ForgeLinear
+from forge_hf.optim.patch import (
+    BELOW_MIN_PARAMS,
+    EXCLUDED,
+    EXPERT_TENSOR,
+    FROZEN,
+    LIGER_LM_HEAD,
+    NOT_INCLUDED,
+    SHARED,
+    TIED,
+    UNSUPPORTED,
+    patch_model,
+    unpatch_model,
+)
 
 
 class Experts(nn.Module):

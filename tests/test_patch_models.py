@@ -7,16 +7,16 @@ fell back); fused weights have none, so it skips them."""
 import contextlib
 import copy
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pytest
 import torch
 import transformers
 from torch import nn
 
-from forge_hf.linear import ForgeFallbackWarning
-from forge_hf.patch import EXPERT_TENSOR, FROZEN, TIED, patch_model
+from forge_hf.nn.linear import ForgeFallbackWarning
+from forge_hf.optim.patch import EXPERT_TENSOR, FROZEN, TIED, patch_model
 
 HP = dict(lr=1e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
 STEPS = 3

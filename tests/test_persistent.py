@@ -9,11 +9,11 @@ of the chunk."""
 import pytest
 import torch
 
-from forge_hf import codecs
+from forge_hf.core import codecs
+from forge_hf.core.launch_args import pack_args
+from forge_hf.core.rules import get_rule, make_group
+from forge_hf.core.state import ForgeState
 from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_unsupported
-from forge_hf.rules import get_rule, make_group
-from forge_hf.state import ForgeState
-from forge_hf.step_args import pack_args
 
 BF16 = torch.bfloat16
 
@@ -84,7 +84,8 @@ def _hopper():
 
 
 def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
-    from forge_hf.kernels.fused_update import RULE_UPDATES, default_config, launch_fused_update
+    from forge_hf.kernels.dispatch import launch_fused_update
+    from forge_hf.kernels.fused_update import RULE_UPDATES, default_config
     from forge_hf.kernels.persistent_launch import launch_persistent
     stats = torch.zeros(2, device=w.device)
     for _ in range(steps):

@@ -7,9 +7,9 @@ import pytest
 import torch
 import yaml
 
-from forge_hf.arguments import ForgeArguments
-from forge_hf.recipe import PATH_KEYS, RecipeError, load_recipe
-from forge_hf.trainer import OPTION_TYPES, forge_options
+from forge_hf.integrations.trainer import OPTION_TYPES, forge_options
+from forge_hf.train.arguments import ForgeArguments
+from forge_hf.train.recipe import PATH_KEYS, RecipeError, load_recipe
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))

@@ -5,9 +5,9 @@ are not multiples of the tile. Both backends: the PyTorch reference and the Trit
 
 import pytest
 import torch
+from helpers import assert_close_rel, exact_gradient, exact_inputs
 
 from forge_hf import ForgeLinear
-from helpers import assert_close_rel, exact_gradient, exact_inputs
 
 STEPS = 8  # RAdam's rectified branch starts at step 6 with beta2=0.999
 

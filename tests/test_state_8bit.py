@@ -7,22 +7,22 @@ import warnings
 
 import pytest
 import torch
+from conftest import DEVICE
+from helpers import exact_inputs
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from forge_hf import ForgeLinear
-from forge_hf.codecs import BLOCK, QuantisedSlot
-from forge_hf.conv1d import ForgeConv1D
-from forge_hf.kernels.fused_update import launch_fused_update
-from forge_hf.step_args import pack_args
-from forge_hf.optim import ForgeOptimizer
-from forge_hf.patch import patch_model
-from forge_hf.quantization import round_trip
-from forge_hf.reference import reference_fused_update
-from forge_hf.rules import get_rule, make_group
-from forge_hf.state import ForgeState
-from conftest import DEVICE
-from helpers import exact_inputs
+from forge_hf.core.codecs import BLOCK, QuantisedSlot
+from forge_hf.core.launch_args import pack_args
+from forge_hf.core.rules import get_rule, make_group
+from forge_hf.core.state import ForgeState
+from forge_hf.kernels.dispatch import launch_fused_update
+from forge_hf.kernels.reference import reference_fused_update
+from forge_hf.nn.conv1d import ForgeConv1D
+from forge_hf.optim.optimizer import ForgeOptimizer
+from forge_hf.optim.patch import patch_model
+from forge_hf.optim.quantization import round_trip
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -3,11 +3,11 @@ bit for bit as the MLP's own autograd does, and saves two tensors fewer per laye
 
 import pytest
 import torch
+from conftest import DEVICE
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import forge_hf
-from forge_hf.swiglu import recompute_swiglu, restore_swiglu
-from conftest import DEVICE
+from forge_hf.nn.swiglu import recompute_swiglu, restore_swiglu
 
 VOCAB, SEQ, INTERMEDIATE = 64, 12, 80
 

@@ -9,15 +9,15 @@ import warnings
 
 import pytest
 import torch
+from helpers import RTOL_FP32, assert_close_rel
+from test_optim import SEQ, VOCAB, tiny_llama
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from forge_hf import linear
-from forge_hf.optim import ForgeOptimizer, fused_layers
-from forge_hf.rules import NUM_SCALARS
-from forge_hf.trainer import OPTIMIZER_NAMES, ForgeTrainer, forge_options, register_optimizer_names
-from helpers import RTOL_FP32, assert_close_rel
-from test_optim import SEQ, VOCAB, tiny_llama
+from forge_hf.core.rules import NUM_SCALARS
+from forge_hf.integrations.trainer import OPTIMIZER_NAMES, ForgeTrainer, forge_options, register_optimizer_names
+from forge_hf.nn import linear
+from forge_hf.optim.optimizer import ForgeOptimizer, fused_layers
 
 STEPS = 20
 FAST = "backend=reference,min_params=0"  # the PyTorch backend, and fuse these tiny layers
@@ -266,7 +266,7 @@ def _guard_args(**overrides):
 def test_refuses_fsdp():
     from types import SimpleNamespace
 
-    from forge_hf.trainer import check_training_arguments
+    from forge_hf.integrations.trainer import check_training_arguments
 
     with pytest.raises(ValueError, match="FSDP is not supported"):
         check_training_arguments(_guard_args(fsdp=["full_shard"]))
@@ -277,7 +277,7 @@ def test_refuses_fsdp():
 def test_refuses_a_distributed_type_other_than_data_parallel():
     from types import SimpleNamespace
 
-    from forge_hf.trainer import check_training_arguments
+    from forge_hf.integrations.trainer import check_training_arguments
 
     for kind in ("MEGATRON_LM", "XLA"):
         with pytest.raises(ValueError, match=f"distributed_type={kind} is not supported"):

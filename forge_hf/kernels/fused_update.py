@@ -23,44 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import codecs
-from ..codecs import QuantisedSlot, storage_kind
-from ..rules import RULES, bind_update
+from ..core import codecs
+from ..core.codecs import QuantisedSlot, storage_kind
+from ..core.rules import RULES, bind_update
 from .compiled import launch_compiled
-from .codecs import NONE, block_index, decode_state, load_meta, load_state_raw, store_state
+from .state_tiles import NONE, block_index, decode_state, load_meta, load_state_raw, store_state
 from .storage import decode_value, element_hash, load_tile, store_value
+from .tile_step import finite_sumsq, load_step_args
 
 # The interpreter multiplies bf16 bit patterns as integers in tl.dot: upcast there.
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 RULE_UPDATES = {name: triton.jit(bind_update(rule, tl)) for name, rule in RULES.items()}
-
-
-@triton.jit
-def _scalar(args_ptr, i: tl.constexpr):
-    return tl.load(args_ptr + i).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def load_step_args(args_ptr):
-    """The step's arguments (step_args.py): the rule's 12 constants as a tuple, the step,
-    the rounding salt and the index of the weight's first row in the whole weight."""
-    c = (_scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3),
-         _scalar(args_ptr, 4), _scalar(args_ptr, 5), _scalar(args_ptr, 6), _scalar(args_ptr, 7),
-         _scalar(args_ptr, 8), _scalar(args_ptr, 9), _scalar(args_ptr, 10), _scalar(args_ptr, 11))
-    step = tl.load(args_ptr + 12).to(tl.uint32, bitcast=True)
-    salt = tl.load(args_ptr + 13).to(tl.uint32, bitcast=True)
-    row0 = tl.load(args_ptr + 14)
-    return c, step, salt, row0
-
-
-@triton.jit
-def finite_sumsq(acc):
-    """A gradient tile's squared sum, and whether the tile may be applied: one whose
-    squared sum is not finite (a NaN or inf in it, or an entry beyond ~1e19 whose square
-    overflows) is counted and skipped; others add their squared sum to the grad norm."""
-    sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    return sumsq, (sumsq == sumsq) & (sumsq < float("inf"))
 
 
 @triton.jit
@@ -80,7 +54,7 @@ def fused_update_kernel(
     T, N, K, KB,
     stride_xt, stride_xk, stride_dyt, stride_dyn, stride_wn, stride_wk,
     RULE_UPDATE: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (codecs.py)
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (core/codecs.py)
     QUANTISED: tl.constexpr,
     W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr,
@@ -109,7 +83,7 @@ def fused_update_kernel(
     meta2 = load_meta(m2_ptr, block, block_mask, S2)
     # 8-bit state codes too: a quarter of bf16's registers to hold through the loop, and
     # the compiler then decodes and re-encodes them without fp32 layout conversions
-    # (58.7 -> 53.7 ms; bf16 or fp32 tiles loaded here were 1-5% slower: NOTES.md).
+    # (about 9% faster; bf16 or fp32 tiles loaded here were 1-5% slower: docs/performance.md).
     if QUANTISED:
         r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
         r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
@@ -173,11 +147,11 @@ def fused_update_kernel(
 
 
 def default_config(N: int, K: int, T: int) -> dict:
-    """Tile shape and launch options for one layer shape (benchmarks/NOTES.md)."""
+    """Tile shape and launch options for one layer shape."""
     if INTERPRETER:  # fewer, larger programs: the interpreter runs them one by one
         return dict(blocks=(64, 64, 64), num_warps=4, num_stages=1, maxnreg=None)
     # best single config over Llama-3.1-8B's shapes; 168 registers let three programs
-    # share a multiprocessor instead of two (benchmarks/NOTES.md)
+    # share a multiprocessor instead of two (docs/performance.md)
     return dict(blocks=(64, 64, 64), num_warps=4, num_stages=4, maxnreg=168)
 
 
@@ -209,12 +183,12 @@ def _slot_pointers(slot, weight: torch.Tensor, dummy: torch.Tensor):
     return _as_bits(slot), dummy
 
 
-def kernel_call(
+def fused_launch_arguments(
     x: torch.Tensor,  # (T, K)
     dy: torch.Tensor,  # (T, N)
     weight: torch.Tensor,  # (N, K) view of the parameter, any strides; fp32 or bf16
     slots: list,  # three (N, K) tensors, QuantisedSlots or None, same strides as weight
-    args: torch.Tensor,  # int32 (step_args.ARGS_LEN,), on the weight's device
+    args: torch.Tensor,  # int32 (launch_args.ARGS_LEN,), on the weight's device
     stats: torch.Tensor,  # fp32 (2,): [sum of squared gradients, non-finite tiles]
     rule_name: str,
     stochastic: bool,
@@ -263,39 +237,9 @@ def compile_options(config: dict) -> dict:
     return options
 
 
-def _launch(grid, positional, constexprs, config: dict) -> None:
+def launch_fused_kernel(grid, positional, constexprs, config: dict) -> None:
     options = compile_options(config)
     if INTERPRETER:
         fused_update_kernel[grid](*positional, **constexprs, **options)
     else:
         launch_compiled(fused_update_kernel, grid, positional, constexprs, options)
-
-
-def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
-                        **options) -> None:
-    """One fused step of one layer (arguments as in kernel_call). ``options``: launch
-    options (num_warps, num_stages, maxnreg) in place of default_config's. Without either,
-    the persistent Gluon kernel runs where it applies (persistent_launch.py)."""
-    if blocks is None and not options and not INTERPRETER:
-        from .persistent_launch import launch_persistent, persistent_unsupported
-        if persistent_unsupported(x, dy, weight, slots) is None:
-            launch_persistent(x, dy, weight, slots, args, stats, RULE_UPDATES[rule_name], stochastic)
-            return
-    config = default_config(*weight.shape, x.shape[0])
-    known = sorted(set(config) - {"blocks"})
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise TypeError(f"unknown launch option(s) {unknown}: the fused kernel takes {known}")
-    config = {**config, **options}
-    grid, positional, constexprs = kernel_call(x, dy, weight, slots, args, stats, rule_name, stochastic,
-                                               blocks or config["blocks"])
-    _launch(grid, positional, constexprs, config)
-
-
-def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic) -> None:
-    """The rule and store of the fused kernel for a tensor whose (N, K) gradient exists:
-    one launch, no whole-tensor temporaries (ForgeOptimizer's non-fused parameters)."""
-    config = default_config(*weight.shape, 0)
-    grid, positional, constexprs = kernel_call(grad, grad, weight, slots, args, stats, rule_name, stochastic,
-                                               config["blocks"], grad_given=True)
-    _launch(grid, positional, constexprs, config)

@@ -1,9 +1,9 @@
 """When and how the persistent Gluon kernel (persistent_update.py) runs a layer's step.
 
-It runs where it applies (bf16 weights; bf16 or int8 states) and is measured faster
-(Llama-3.1-8B's linears at 512 tokens on an H200: 48 ms a step against 54-55 for
-fused_update.py's kernel, benchmarks/NOTES.md); ``FORGE_HF_KERNEL=triton`` in the
-environment keeps every layer on fused_update.py's.
+It runs where it applies (bf16 weights; bf16 or int8 states): on Llama-3.1-8B's linears at
+512 tokens it takes about 12% less time than fused_update.py's kernel, with the same bits
+(docs/performance.md). ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on
+fused_update.py's.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 import torch
 import triton
 
-from .. import codecs
-from ..codecs import QuantisedSlot, storage_kind
+from ..core import codecs
+from ..core.codecs import QuantisedSlot, storage_kind
 from .compiled import launch_compiled
 from .persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
 
@@ -60,10 +60,10 @@ def layout_unsupported(x, dy, weight, slots) -> str | None:
     return None
 
 
-def persistent_call(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0):
+def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0):
     """(positional arguments, constexpr arguments, compile options) of the launch for these
     tensors; tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py).
-    Arguments as fused_update.kernel_call's, ``rule_update`` the rule's jitted update;
+    Arguments as fused_update.fused_launch_arguments', ``rule_update`` the rule's jitted update;
     ``ablate``: benchmarks only (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY)."""
     n, k = weight.shape
     stored = [weight.view(torch.int16)]  # bf16 as bits; 8-bit codes as they are; absent: any
@@ -79,8 +79,8 @@ def persistent_call(x, dy, weight, slots, args, stats, rule_update, stochastic, 
 
 
 def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0) -> None:
-    """One fused step of one layer by the persistent kernel (arguments as persistent_call's)."""
-    positional, constexprs, options = persistent_call(x, dy, weight, slots, args, stats, rule_update,
+    """One fused step of one layer by the persistent kernel (arguments as persistent_launch_arguments')."""
+    positional, constexprs, options = persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update,
                                                       stochastic, ablate)
     n, k = weight.shape
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count

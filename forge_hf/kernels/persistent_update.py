@@ -11,12 +11,12 @@ schedule. One program per multiprocessor runs two lanes; a lane owns every
   into the buffers they came in and copied out by TMA.
 
 While one lane runs its epilogue, the other's MMAs and both producers' copies go on: the
-overlap a program that owns one block from start to end cannot get (benchmarks/NOTES.md,
-seventh session, has the measurements behind each choice). A block whose squared gradient
+overlap a program that owns one block from start to end cannot get (docs/performance.md
+has the measurements behind each choice). A block whose squared gradient
 sum is not finite is not written; it is counted, others add their sum to ``stats``.
 
 Covers the common case (persistent_launch.py says which): a bf16 weight with bf16, int8
-(absmax, codecs.py) or absent states in its row-major layout, N and K multiples of 64 (an
+(absmax, core/codecs.py) or absent states in its row-major layout, N and K multiples of 64 (an
 8-bit slot's codec blocks are then the blocks' rows), bf16 x and dy, a Hopper GPU.
 fused_update.py's kernel serves everything else.
 """
@@ -28,12 +28,17 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.language.core import _aggregate as aggregate
 
-from .codecs import ABSMAX8, BF16, NONE, absmax_biased, absmax_decode, int8_code
-from .fused_update import finite_sumsq, load_step_args
+from .state_tiles import ABSMAX8, BF16, NONE, absmax_biased, absmax_decode, int8_code
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
+from .tile_step import finite_sumsq, load_step_args
 
 # TMA copies: Triton 3.6's names, renamed async_load / async_store in later releases
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -163,7 +168,7 @@ def _load_state(p, lane: gl.constexpr, slot: gl.constexpr, scale, layout: gl.con
         value = bf16_bits_to_fp32(raw)
     else:
         # one conversion (I2F.S8, the byte picked in the instruction) in place of
-        # code_to_float's three: this kernel's time follows its instruction count (NOTES.md)
+        # code_to_float's three: this kernel's time follows its instruction count
         value = absmax_decode(raw.to(gl.float32), scale)
     return value
 
@@ -304,8 +309,10 @@ def persistent_update_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc,
                empty, ready, ep_empty, ep_ready)
     # lane 0's consumer is the default partition; worker partitions take no tensors
     gl.warp_specialize([
-        (consumer, (p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, 0, NUM_BUF, S0, S1, S2, RULE_UPDATE, STOCHASTIC, ABLATE)),
-        (consumer, (p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, 1, NUM_BUF, S0, S1, S2, RULE_UPDATE, STOCHASTIC, ABLATE)),
+        (consumer, (p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, 0, NUM_BUF, S0, S1, S2,
+                    RULE_UPDATE, STOCHASTIC, ABLATE)),
+        (consumer, (p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, 1, NUM_BUF, S0, S1, S2,
+                    RULE_UPDATE, STOCHASTIC, ABLATE)),
         (producer, (p, N, K, T, 0, NUM_BUF, S0, S1, S2, ABLATE)),
         (producer, (p, N, K, T, 1, NUM_BUF, S0, S1, S2, ABLATE)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

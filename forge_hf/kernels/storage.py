@@ -3,54 +3,28 @@
 bf16 values travel as int16 bit patterns and are rounded in the integer domain. That
 makes rounding explicit (round-to-nearest-even or stochastic, paper §2.3 / Appendix C)
 and identical on the GPU and in the CPU interpreter, whose own fp32->bf16 casts
-truncate. The random bits come from a cheap integer hash of (salt, step, element): one mix
-per element serves two stored tensors (16 bits each), a second mix the next two. So a given
-seed always gives the same bits, whatever the tile shape or launch order.
+truncate. The random bits are core/rounding.py's hash, bound here to Triton.
 """
+
+import types
 
 import triton
 import triton.language as tl
 
-# Multipliers of the hash (constexpr so kernels may read them); reference.py uses the same.
-GOLDEN = tl.constexpr(0x9E3779B1)
-MIX_A = tl.constexpr(0x85EBCA6B)
-MIX_B = tl.constexpr(0xC2B2AE35)
-STEP_MUL = tl.constexpr(0x85EBCA77)
-SLOT_MUL = tl.constexpr(0x27D4EB2F)
+from ..core import rounding
 
 
 @triton.jit
-def mix32(h):
-    # murmur3's 32-bit finaliser: full avalanche in six integer operations
-    h ^= h >> 16
-    h = h * MIX_A
-    h ^= h >> 13
-    h = h * MIX_B
-    h ^= h >> 16
-    return h
+def _mul32(h, c):
+    return h * c  # uint32 arithmetic wraps modulo 2**32
 
 
-@triton.jit
-def element_hash(elem, salt, step):
-    """32 uniform bits for each element index and step (uint32 tensors in, uint32 out).
-    ``elem * GOLDEN`` is a bijection, so within a step no two elements share an input."""
-    return mix32((elem * GOLDEN) ^ (salt ^ (step * STEP_MUL)))
-
-
-@triton.jit
-def slot_bits(h, slot: tl.constexpr):
-    """16 random bits for stored tensor ``slot`` (0 the weight, 1-3 the states): the
-    halves of the element hash, then of one more mix of it (the compiler computes that
-    once for slots 2 and 3)."""
-    if slot < 2:
-        word = h
-    else:
-        word = mix32(h ^ SLOT_MUL)
-    if slot % 2 == 0:
-        bits = word & 0xFFFF
-    else:
-        bits = word >> 16
-    return bits
+# core/rounding.py's hash bound to Triton (a module: the only kind of global namespace a
+# jit function may read attributes of): element_hash and slot_bits on uint32 tensors.
+_ops = types.ModuleType("forge_hf.kernels.storage.hash_ops")
+_ops.mul32 = _mul32
+HASH = rounding.bind_hash(_ops, triton.jit, tl=tl)
+element_hash, slot_bits = HASH.element_hash, HASH.slot_bits
 
 
 @triton.jit

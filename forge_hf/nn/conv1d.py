@@ -21,7 +21,7 @@ class ForgeConv1D(FusedWeightMixin, Conv1D):
 
     @classmethod
     def from_conv1d(cls, conv: Conv1D, optimizer: str = "adamw", state_precision: str = "fp32",
-                    rounding: str = "stochastic", seed: int = 0, **hyperparameters) -> "ForgeConv1D":
+                    rounding: str = "stochastic", seed: int = 0, **hyperparameters) -> ForgeConv1D:
         """A ForgeConv1D that shares ``conv``'s Parameter objects (no copy) and hooks."""
         if not isinstance(conv, Conv1D):
             raise TypeError(f"from_conv1d needs a transformers Conv1D, got {type(conv).__name__}")

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .codecs import decode, encode, slot_codec
-from .reference import RULE_UPDATES
-from .rules import get_rule, make_group
-from .state import check_state_precision
+from ..core.codecs import decode, encode, slot_codec
+from ..core.rules import get_rule, make_group
+from ..core.state import check_state_precision
+from ..kernels.reference import RULE_UPDATES
 
 SPREADS = {"narrow": 0.5, "medium": 2.0, "wide": 6.0}  # sigma of log2 of the scale, bits
 

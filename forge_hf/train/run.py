@@ -20,13 +20,19 @@ import sys
 import time
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback, default_data_collator,
-                          set_seed)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    TrainerCallback,
+    default_data_collator,
+    set_seed,
+)
 
+from ..integrations.trainer import ForgeTrainer
 from .arguments import ModelArguments
 from .data import build_datasets
 from .recipe import Recipe, RecipeError, load_recipe, recipe_parser
-from .trainer import ForgeTrainer
 
 
 def build_model(args: ModelArguments, seed: int):

@@ -25,9 +25,9 @@ from pathlib import Path
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
+from ..integrations.trainer import check_training_arguments, forge_options, rule_name  # registers forge_* optim names
 from .arguments import DataArguments, ForgeArguments, ModelArguments
 from .data import LOCAL_FORMATS
-from .trainer import check_training_arguments, forge_options, rule_name  # registers forge_* optim names
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, ForgeArguments, TrainingArguments)
 PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "data_files")
@@ -285,7 +285,7 @@ def _expand_data_files(patterns: list[str], fail) -> list[str]:
 
 def merge_optim_args(optim_args: str | None, options: dict, fail) -> str:
     """optim_args with the forge_* options added as key=value pairs (lists '|'-joined, as
-    forge_hf.trainer reads them)."""
+    integrations/trainer.py reads them)."""
     pairs = [p for p in (optim_args or "").replace(" ", "").split(",") if p]
     given = {p.split("=", 1)[0] for p in pairs}
     for key, value in options.items():

@@ -23,7 +23,7 @@ beta2 = 0.999 a step of v is far below half a code, so round-to-nearest only eve
 up on gradient spikes: v ratcheted 7% high in that test (0.1% with stochastic codes).
 
 The arithmetic (``*_encode``/``*_decode``) uses only the free name ``ops``, bound to
-``triton.language`` by kernels/codecs.py and to torch here, like the rules' updates.
+``triton.language`` by kernels/state_tiles.py and to torch here, like the rules' updates.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ def absmax_encode(x, valid):
     scale. Adding ROUNDER (1.5 * 2**23, where the float grid's step is 1) rounds x / s to
     the nearest integer, ties to even, and leaves that integer as the low bits of the
     float's pattern: the kernel stores the low byte and needs neither a rounding nor a
-    float-to-integer conversion instruction (fewer instructions, though the int8 state's
-    time went elsewhere: benchmarks/NOTES.md). No clamp: |x| <= amax, so
+    float-to-integer conversion instruction. No clamp: |x| <= amax, so
     |x * (127 / amax)| exceeds 127 by at most two roundings and rounds back to 127."""
     amax = ops.maximum(ops.max(ops.where(valid, ops.abs(x), 0.0), axis=-1), 1e-30)
     # One correctly rounded division per block (div_rn: the GPU's default division is
@@ -131,12 +130,12 @@ def blocks_per_row(in_features: int) -> int:
     return -(-in_features // BLOCK)
 
 
-def meta_strides(out_features: int, codec: "Codec") -> tuple[int, int, int]:
+def meta_strides(out_features: int, codec: Codec) -> tuple[int, int, int]:
     """The strides of a slot's (out_features, blocks, meta_width) metadata as allocated."""
     return (codec.meta_width, out_features * codec.meta_width, 1)
 
 
-def meta_layout(out_features: int, in_features: int, codec: "Codec") -> tuple[tuple, tuple]:
+def meta_layout(out_features: int, in_features: int, codec: Codec) -> tuple[tuple, tuple]:
     """(shape, strides) of a slot's metadata as allocated, what the kernels require."""
     shape = (out_features, blocks_per_row(in_features), codec.meta_width)
     return shape, meta_strides(out_features, codec)
@@ -184,7 +183,7 @@ def _blocked(x: torch.Tensor, fill=0.0) -> torch.Tensor:
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
-    """Uniform [0, 1) from 16 random bits held in int64 (kernels/codecs.py: uniform); 2**-16
+    """Uniform [0, 1) from 16 random bits held in int64 (kernels/state_tiles.py: uniform); 2**-16
     steps are far finer than any 8-bit code's rounding needs."""
     return bits.float() * 2.0**-16
 
@@ -231,14 +230,14 @@ class QuantisedSlot:
     meta: torch.Tensor
 
     @classmethod
-    def empty_like(cls, param: torch.Tensor, codec: Codec, transposed: bool) -> "QuantisedSlot":
+    def empty_like(cls, param: torch.Tensor, codec: Codec, transposed: bool) -> QuantisedSlot:
         codes = torch.zeros_like(param, dtype=codec.code_dtype, memory_format=torch.preserve_format)
         out_features, in_features = param.shape[::-1] if transposed else param.shape
         meta = torch.zeros(blocks_per_row(in_features), out_features, codec.meta_width,
                            dtype=torch.float32, device=param.device).transpose(0, 1)
         return cls(codec, codes, meta)  # all codes 0: every state value is exactly 0
 
-    def logical(self, transposed: bool) -> "QuantisedSlot":
+    def logical(self, transposed: bool) -> QuantisedSlot:
         """The slot as (out_features, in_features): what the kernels read."""
         return replace(self, codes=self.codes.t()) if transposed else self
 

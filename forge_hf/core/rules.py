@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 NUM_SCALARS = 12  # c0..c11: the most any rule needs (RAdam uses 11)
 MAX_SLOTS = 3
@@ -194,7 +194,8 @@ def _rmsprop_prepare(group: dict, host: dict) -> list[float]:
     )
 
 
-def _rmsprop_update(w, g, sq, buf, gavg, l2, alpha, oma, eps, neg_lr, momentum, has_momentum, centered, c8, c9, c10, c11):
+def _rmsprop_update(w, g, sq, buf, gavg, l2, alpha, oma, eps, neg_lr, momentum, has_momentum, centered,
+                    c8, c9, c10, c11):
     g = g + l2 * w
     sq = sq * alpha + oma * g * g
     gavg = ops.where(centered > 0.5, gavg + oma * (g - gavg), gavg)
@@ -291,7 +292,8 @@ class Rule:
         lr = group.get("lr")
         if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise ValueError(f"invalid learning rate lr={lr!r} for forge {self.name}: use a finite number >= 0")
-        for key in ("eps", "weight_decay", "momentum", "lr_decay", "initial_accumulator_value", "momentum_decay", "dampening"):
+        for key in ("eps", "weight_decay", "momentum", "lr_decay", "initial_accumulator_value", "momentum_decay",
+                    "dampening"):
             if key in group and not (isinstance(group[key], (int, float)) and group[key] >= 0):
                 raise ValueError(f"invalid {key}={group[key]!r} for forge {self.name}: use a number >= 0")
         if "betas" in group:
@@ -340,13 +342,14 @@ def get_rule(name: str) -> Rule:
     return RULES[key]
 
 
-def bind_ops(fn: types.FunctionType, ops_module) -> types.FunctionType:
-    """``fn`` with its free name ``ops`` bound to ``ops_module``.
+def bind_ops(fn: types.FunctionType, ops_module, **names) -> types.FunctionType:
+    """``fn`` with its free name ``ops`` bound to ``ops_module`` (and any further global
+    ``names``: Triton's interpreter wants ``triton.language`` among a kernel's globals).
 
     The code object is shared, so both backends run the very same arithmetic."""
     # __name__ gives the new function a __module__: Triton's compiler reads it on every
     # global a kernel touches, and fails on None
-    scope = {"ops": ops_module, "__builtins__": __builtins__, "__name__": fn.__module__}
+    scope = {**names, "ops": ops_module, "__builtins__": __builtins__, "__name__": fn.__module__}
     return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
 
 

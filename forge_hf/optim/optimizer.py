@@ -5,7 +5,7 @@ layer's ``forge_group`` *is* the group dict holding its weight, so any LR schedu
 the fused step. ``step()`` updates only what has a ``.grad`` (embeddings, norms, biases,
 layers left unpatched or with fusion switched off): the fused weights were already
 stepped in backward and have none. Those tensors are stepped by the same rule code the
-kernels run (``reference.RULE_UPDATES``) applied to the whole tensor, with the same state
+kernels run (``kernels/reference.py``) applied to the whole tensor, with the same state
 (ForgeState) and the same bf16 / 8-bit stores, so each rule stays written once and Lion
 needs no torch twin.
 """
@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codecs import QuantisedSlot, uniform
-from .linear import FusedWeightMixin, layer_salt, resolve_backend
-from .reference import RULE_UPDATES, random_bits, reference_fused_update, round_to_bf16
-from .rules import get_rule, make_group
-from .state import ForgeState
-from .step_args import step_args
+from ..core.codecs import QuantisedSlot
+from ..core.launch_args import next_launch_args
+from ..core.rounding import layer_salt
+from ..core.rules import get_rule, make_group
+from ..core.state import ForgeState
+from ..kernels.dispatch import launch_rule_step, resolve_backend
+from ..kernels.reference import reference_fused_update, reference_rule_rows
+from ..nn.linear import FusedWeightMixin
 
 # Trainer.get_decay_parameter_names (transformers 5.x): no weight decay for biases and norms.
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -138,7 +140,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # group: another group's ranks hold other replicas). A few launches, not a few per layer.
         whole, bands = [], {}  # bands: id(group) -> (group, stats)
         for layer in self._layers.values():
-            dp = layer.__dict__.get("forge_dp")
+            dp = layer.forge_dp
             if dp is not None:
                 dp.wait()  # after step() every rank holds the whole updated weight
             if dp is not None and dp.mode == "sharded":
@@ -192,7 +194,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # tiles all are
         slots = state.kernel_slots()
         if self._kernel:
-            return self._step_with_kernel(p, w, g, slots, step_args(self.rule, group, state, self._salt[p], p.device))
+            args = next_launch_args(self.rule, group, state, self._salt[p], p.device)
+            return self._step_with_kernel(p, w, g, slots, args)
         scalars = self.rule.prepare(group, state.host)  # fp32 constants, as the kernels receive them
         consts = torch.tensor(scalars, dtype=torch.float32).to(p.device).unbind()
         ok = torch.isfinite(g).all()
@@ -202,7 +205,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         as2d = (lambda t: t) if w.dim() == 2 else (lambda t: t.reshape(rows2d, -1))
         w2, g2 = as2d(w), as2d(g)
         plain = [as2d(s) if s is not None and not isinstance(s, QuantisedSlot) else s for s in slots]
-        if w.dim() != 2 and not all(t is None or t.data_ptr() == u.data_ptr() for t, u in zip([w2, *plain], [w, *slots])):
+        if w.dim() != 2 and not all(t is None or t.data_ptr() == u.data_ptr()
+                                    for t, u in zip([w2, *plain], [w, *slots])):
             raise RuntimeError(f"a non-contiguous {tuple(p.shape)} parameter cannot be stepped in place: "
                                "make it contiguous before creating the ForgeOptimizer")
         n_cols = w2.shape[1]
@@ -210,14 +214,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sq = torch.zeros((), device=p.device)
         for r0 in range(0, rows2d, step_rows):
             rows = slice(r0, min(r0 + step_rows, rows2d))
-            sq += self._step_rows(p, w2, g2[rows].float(), plain, rows, consts, ok, state.step)
+            sq += reference_rule_rows(self.rule.name, w2, g2[rows].float(), plain, rows, consts, ok,
+                                      self._salt[p], state.step, self.stochastic)
         return torch.where(ok, sq, 0.0), (~ok).float()
 
     def _step_with_kernel(self, p, w, g, slots, args):
         """The fused kernel's rule and store on an existing gradient. A non-finite tile is
         skipped and counted tile by tile, as in a fused layer."""
-        from .kernels.fused_update import launch_rule_step
-
         if w.dim() != 2:  # norms and biases: one row
             if any(isinstance(s, QuantisedSlot) for s in slots) or not w.is_contiguous():
                 raise RuntimeError(f"cannot step a {tuple(w.shape)} tensor in place: make it contiguous")
@@ -226,26 +229,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         stats = torch.zeros(2, dtype=torch.float32, device=p.device)
         launch_rule_step(g, w.data, slots, args, stats, self.rule.name, self.stochastic)
         return stats[0], stats[1]
-
-    def _step_rows(self, p, w2, g, slots, rows, consts, ok, step) -> torch.Tensor:
-        values = [g.new_zeros(()) if s is None else s.read(rows) if isinstance(s, QuantisedSlot)
-                  else s[rows].float() for s in slots]
-        outs = RULE_UPDATES[self.rule.name](w2[rows].float(), g, *values, *consts)
-        n_cols = w2.shape[1]
-        r = torch.arange(rows.start, rows.stop, device=p.device)
-        elem = r[:, None] * n_cols + torch.arange(n_cols, device=p.device)[None, :]  # the kernels' element index
-        salt = self._salt[p]
-        for slot_id, (dst, value) in enumerate(zip([w2, *slots], outs)):
-            if dst is None:
-                continue
-            if isinstance(dst, QuantisedSlot):
-                stochastic = self.stochastic and dst.codec.stochastic
-                dst.write(value, rows, u=uniform(random_bits(elem, salt, step, slot_id)) if stochastic else 0.5)
-                continue
-            if dst.dtype == torch.bfloat16:
-                value = round_to_bf16(value, elem, salt, step, slot_id, self.stochastic)
-            dst[rows] = torch.where(ok, value.to(dst.dtype), dst[rows])  # a non-finite gradient writes nothing
-        return (g * g).sum()
 
     def pop_nonfinite_tiles(self) -> int:
         """Tiles skipped for a non-finite gradient since the last call."""
@@ -263,7 +246,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _sharding(self, p):
         layer = self._layers.get(p)
-        dp = layer.__dict__.get("forge_dp") if layer is not None else None
+        dp = layer.forge_dp if layer is not None else None
         return (dp, layer.forge_weight_view().shape[0]) if dp is not None and dp.mode == "sharded" else (None, 0)
 
     def _full_state(self, p) -> dict:

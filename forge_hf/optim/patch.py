@@ -4,7 +4,7 @@ Eligible: ``nn.Linear`` and transformers' ``Conv1D`` whose weight trains, belong
 module alone and is read only through it. Everything else stays an ordinary parameter for
 an ordinary optimizer (ForgeOptimizer steps both kinds). This file is the static half of
 the safety rules; the runtime half (a module called twice in a step, a weight read
-elsewhere, a gradient that materialises anyway) is in linear.py (FusedWeightMixin).
+elsewhere, a gradient that materialises anyway) is in nn/linear.py (FusedWeightMixin).
 
 ``include`` / ``exclude`` patterns are fnmatch globs (``*``, ``?``, ``[..]``) matched against
 whole dot-separated parts of a module's name: ``"lm_head"``, ``"q_proj"`` (every q_proj),
@@ -21,10 +21,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
 
-from .conv1d import ForgeConv1D
-from .linear import BACKENDS, WEIGHT_DTYPES, ForgeLinear, FusedWeightMixin
-from .rules import get_rule, make_group
-from .state import check_rounding, check_state_precision
+from ..core.rules import get_rule, make_group
+from ..core.state import check_rounding, check_state_precision
+from ..kernels.dispatch import BACKENDS
+from ..nn.conv1d import ForgeConv1D
+from ..nn.linear import WEIGHT_DTYPES, ForgeLinear, FusedWeightMixin
 
 # Below 64K weights (four 128x128 tiles) a fused launch cannot fill a GPU and saves under
 # 256 KiB of gradient; a torch optimizer steps such tensors in one batched launch. LoRA

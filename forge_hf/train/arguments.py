@@ -9,8 +9,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .linear import BACKENDS
-from .state import ROUNDINGS
+from ..core.state import ROUNDINGS
+from ..kernels.dispatch import BACKENDS
 
 OMI2_COLUMNS = ("problem", "generated_solution", "expected_answer", "problem_source")
 
@@ -78,7 +78,7 @@ class DataArguments:
 
 @dataclass
 class ForgeArguments:
-    """ForgeTrainer's options (forge_hf.trainer.OPTION_TYPES), merged into
+    """ForgeTrainer's options (integrations/trainer.py: OPTION_TYPES), merged into
     TrainingArguments.optim_args.
 
     state_precision is checked when the model is patched, not here, so a recipe naming a

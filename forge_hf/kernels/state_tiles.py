@@ -2,7 +2,7 @@
 
 An 8-bit tile (BLOCK_N, BLOCK_K) is viewed as (BLOCK_N, BLOCK_K // 64, 64), so each codec
 block is one row of the last axis and its statistics are one reduction. The codec
-arithmetic is forge_hf/codecs.py's, bound to triton.language here. Metadata is addressed
+arithmetic is core/codecs.py's, bound to triton.language here. Metadata is addressed
 by block index ``(column // 64) * out_features + row`` (codecs.meta_strides).
 """
 
@@ -11,8 +11,8 @@ import struct
 import triton
 import triton.language as tl
 
-from .. import codecs
-from ..rules import bind_ops
+from ..core import codecs
+from ..core.rules import bind_ops
 from .storage import decode_value, load_tile, slot_bits, store_value
 
 NONE = tl.constexpr(codecs.NONE)

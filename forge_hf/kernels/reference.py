@@ -4,57 +4,24 @@ Triton, and the oracle the Triton kernel is tested against.
 It mirrors kernels/fused_update.py: identical tiles, fp32 accumulation, the same rule code
 object (``ops`` bound to torch), the same non-finite-tile skipping and statistics, and the
 same integer-domain bf16 rounding with the same hash, so stochastic rounding gives the
-same bits on both backends, and the same 8-bit codec arithmetic (codecs.py).
+same bits on both backends, and the same 8-bit codec arithmetic (core/codecs.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .codecs import BLOCK, QuantisedSlot, uniform
-from .rules import NUM_SCALARS, RULES, bind_update
+from ..core.codecs import BLOCK, QuantisedSlot, uniform
+from ..core.rounding import M32, random_bits
+from ..core.rules import NUM_SCALARS, RULES, bind_update
 
 RULE_UPDATES = {name: bind_update(rule, torch) for name, rule in RULES.items()}
-
-# The hash of kernels/storage.py, in Python integers (no Triton import needed here).
-_M32 = 0xFFFFFFFF
-GOLDEN, MIX_A, MIX_B, STEP_MUL, SLOT_MUL = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 0x85EBCA77, 0x27D4EB2F
-
-
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    # (h * c) mod 2**32 without overflowing int64: split c into 16-bit halves
-    lo = h * (c & 0xFFFF)
-    hi = ((h * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def mix32(h):
-    """murmur3's finaliser on int64 tensors (or Python ints) holding 32-bit values."""
-    if isinstance(h, int):
-        h ^= h >> 16
-        h = (h * MIX_A) & _M32
-        h ^= h >> 13
-        h = (h * MIX_B) & _M32
-        return h ^ (h >> 16)
-    h = h ^ (h >> 16)
-    h = _mul32(h, MIX_A)
-    h = h ^ (h >> 13)
-    h = _mul32(h, MIX_B)
-    return h ^ (h >> 16)
-
-
-def random_bits(elem: torch.Tensor, salt: int, step: int, slot: int) -> torch.Tensor:
-    """16 random bits: kernels/storage.py's element_hash, then slot_bits."""
-    word = mix32(_mul32(elem, GOLDEN) ^ ((salt ^ (step * STEP_MUL)) & _M32))
-    if slot >= 2:
-        word = mix32(word ^ SLOT_MUL)
-    return word & 0xFFFF if slot % 2 == 0 else word >> 16
 
 
 def round_to_bf16(x: torch.Tensor, elem: torch.Tensor, salt: int, step: int, slot: int,
                   stochastic: bool) -> torch.Tensor:
-    """fp32 -> bf16 in the integer domain (kernels/storage.py:fp32_to_bf16_bits)."""
-    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    """fp32 -> bf16 in the integer domain, as kernels/storage.py:fp32_to_bf16_bits."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & M32
     if stochastic:
         bits = bits + random_bits(elem, salt, step, slot)
     else:
@@ -78,8 +45,8 @@ def reference_fused_update(
     args_cpu = args.cpu()
     scalars = args_cpu[:NUM_SCALARS].view(torch.float32).to(weight.device)
     consts = [scalars[i] for i in range(NUM_SCALARS)]
-    step = int(args_cpu[NUM_SCALARS].item()) & _M32
-    salt = int(args_cpu[NUM_SCALARS + 1].item()) & _M32
+    step = int(args_cpu[NUM_SCALARS].item()) & M32
+    salt = int(args_cpu[NUM_SCALARS + 1].item()) & M32
     row0 = int(args_cpu[NUM_SCALARS + 2].item())
     N, K = weight.shape
     BN, BK, _ = blocks
@@ -116,3 +83,27 @@ def reference_fused_update(
                 if dst.dtype == torch.bfloat16:
                     value = round_to_bf16(value, elem, salt, step, slot_id, stochastic)
                 dst[rows, cols] = value
+
+
+def reference_rule_rows(rule_name: str, w2: torch.Tensor, g: torch.Tensor, slots: list, rows: slice,
+                        consts: list, ok: torch.Tensor, salt: int, step: int, stochastic: bool) -> torch.Tensor:
+    """The rule and store for ``rows`` of a 2-D tensor whose gradient ``g`` (those rows, fp32)
+    exists: ForgeOptimizer's non-fused parameters, a chunk of rows at a time. Nothing is
+    written where ``ok`` (a 0-dim bool) is false. Returns the rows' squared gradient sum."""
+    values = [g.new_zeros(()) if s is None else s.read(rows) if isinstance(s, QuantisedSlot)
+              else s[rows].float() for s in slots]
+    outs = RULE_UPDATES[rule_name](w2[rows].float(), g, *values, *consts)
+    n_cols = w2.shape[1]
+    r = torch.arange(rows.start, rows.stop, device=w2.device)
+    elem = r[:, None] * n_cols + torch.arange(n_cols, device=w2.device)[None, :]  # the kernels' element index
+    for slot_id, (dst, value) in enumerate(zip([w2, *slots], outs)):
+        if dst is None:
+            continue
+        if isinstance(dst, QuantisedSlot):
+            stochastic_codes = stochastic and dst.codec.stochastic
+            dst.write(value, rows, u=uniform(random_bits(elem, salt, step, slot_id)) if stochastic_codes else 0.5)
+            continue
+        if dst.dtype == torch.bfloat16:
+            value = round_to_bf16(value, elem, salt, step, slot_id, stochastic)
+        dst[rows] = torch.where(ok, value.to(dst.dtype), dst[rows])  # a non-finite gradient writes nothing
+    return (g * g).sum()

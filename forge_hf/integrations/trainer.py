@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
-from .distributed import MODES, enable_data_parallel
-from .optim import ForgeOptimizer, fused_layers
-from .patch import patch_model
-from .rules import RULES, Rule
-from .swiglu import recompute_swiglu
+from ..core.rules import RULES, Rule
+from ..nn.swiglu import recompute_swiglu
+from ..optim.distributed import MODES, enable_data_parallel
+from ..optim.optimizer import ForgeOptimizer, fused_layers
+from ..optim.patch import patch_model
 
 PREFIX = "forge_"
 OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_nadam, ...

@@ -3,7 +3,7 @@
 Every stepped tensor's launch reads a small int32 tensor: the rule's fp32 constants (as
 bit patterns), the step count, the layer's rounding salt and its first row. Eagerly each
 launch gets its own (``pack_args``). A captured step cannot run Python at replay, so while
-it is captured ``step_args`` hands out rows of one device table instead and records who
+it is captured ``next_launch_args`` hands out rows of one device table instead and records who
 owns each row; before every replay ``ArgsTable.refresh`` runs the rules' host work in the
 captured order (the step counts advance exactly as in the eager step) and copies the
 whole table to the GPU at once.
@@ -45,10 +45,10 @@ def pack_args(scalars: list[float], step: int, salt: int, device, row0: int = 0)
     return torch.tensor(args_words(scalars, step, salt, row0), dtype=torch.int32).to(device, non_blocking=True)
 
 
-_recording: "ArgsTable | None" = None
+_recording: ArgsTable | None = None
 
 
-def step_args(rule, group: dict, state, salt: int, device, row0: int = 0) -> torch.Tensor:
+def next_launch_args(rule, group: dict, state, salt: int, device, row0: int = 0) -> torch.Tensor:
     """Advance ``state`` by one step of ``rule`` and return the launch's arguments; while a
     step is captured, a row of the capture's table (filled at each replay)."""
     if _recording is not None:
@@ -80,7 +80,7 @@ class ArgsTable:
 
     @contextmanager
     def recording(self):
-        """Inside: ``step_args`` gives out this table's rows and runs no host work (the
+        """Inside: ``next_launch_args`` gives out this table's rows and runs no host work (the
         capture runs the step's Python, but no step happens: counters stay put)."""
         global _recording
         if _recording is not None:

@@ -1,8 +1,8 @@
-"""The ``forge-hf`` console script (pyproject.toml: forge-hf = "forge_hf.cli:main")."""
+"""The ``forge-hf`` console script (pyproject.toml: forge-hf = "forge_hf.train.cli:main")."""
 
 import sys
 
-from . import train
+from . import run as train
 
 COMMANDS = {"train": train.main}
 USAGE = """usage: forge-hf train RECIPE.yaml [--key value ...]

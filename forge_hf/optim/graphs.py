@@ -5,7 +5,7 @@ sizes that fit a big model on one GPU the host cannot queue them as fast as the 
 them. Captured once, the step (forward, backward with the fused updates, and
 ``ForgeOptimizer.step``) replays with one launch. What changes from step to step comes in
 through tensors the graph reads: the batch (copied into the captured inputs) and every
-launch's arguments (``step_args.ArgsTable``: learning rate, bias corrections, step count,
+launch's arguments (``core/launch_args.ArgsTable``: learning rate, bias corrections, step count,
 refreshed on the host before each replay). The fused updates of a replay are those of the
 eager step, bit for bit, given the same inputs; the model's own matmuls may round
 differently under capture (cuBLAS chooses its algorithms with another workspace).
@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .codecs import QuantisedSlot
+from ..core.codecs import QuantisedSlot
+from ..core.launch_args import ArgsTable
+from ..nn.loss import causal_lm_loss
 from .distributed import average_gradients, broadcast_parameters
-from .loss import causal_lm_loss
-from .optim import ForgeOptimizer, fused_layers
-from .step_args import ArgsTable
+from .optimizer import ForgeOptimizer, fused_layers
 
 
 def check_tensors(batch: dict) -> None:
@@ -76,7 +76,7 @@ def captured_addresses(model: nn.Module, optimizer: ForgeOptimizer) -> tuple:
     return tuple(ptrs), tuple(id(g) for g in optimizer.param_groups)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One warm-up stream per device for every GraphedStep: libraries cache per-stream
     state (cuBLAS its workspace), which a new stream per step would pile up."""
@@ -111,7 +111,7 @@ class GraphedStep:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise TypeError("GraphedStep takes the model DDP wraps, not the DDP wrapper: DDP's gradient reducer "
                             "is not captured; the graphed step averages the non-fused gradients itself")
-        dps = [m.forge_dp for m in fused_layers(model).values() if m.__dict__.get("forge_dp") is not None]
+        dps = [m.forge_dp for m in fused_layers(model).values() if m.forge_dp is not None]
         if len({id(dp.group) for dp in dps}) > 1:
             raise ValueError("the fused layers run data parallel over different process groups: a graphed step "
                              "averages the other gradients over one; call enable_data_parallel once, with one group")

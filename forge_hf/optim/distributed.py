@@ -1,4 +1,4 @@
-"""Exact FORGE under data parallelism (paper §4; ../shared/DESIGN.md §3).
+"""Exact FORGE under data parallelism (paper §4).
 
 A rank's partial gradient cannot be fused exactly (paper Prop. 2), but the full gradient
 is G = dY_all^T X_all, where dY_all and X_all are the token-axis all-gathers of every
@@ -28,6 +28,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..nn.linear import FusedWeightMixin
+
 MODES = ("sharded", "replicated")
 
 
@@ -54,7 +56,7 @@ class TokenCounts:
     def __init__(self, group=None):
         self.group = group
         self.world = dist.get_world_size(group)
-        self.pending: list[tuple["TokenGather", int]] = []  # announced, not yet exchanged
+        self.pending: list[tuple[TokenGather, int]] = []  # announced, not yet exchanged
         self.is_frozen = False
 
     @contextlib.contextmanager
@@ -69,7 +71,7 @@ class TokenCounts:
         finally:
             self.is_frozen = False
 
-    def announce(self, owner: "TokenGather", t_local: int) -> None:
+    def announce(self, owner: TokenGather, t_local: int) -> None:
         if self.is_frozen:
             owner.frozen_counts(t_local)
             return
@@ -196,7 +198,7 @@ def row_band(n_rows: int, block_n: int, world: int, rank: int) -> tuple[int, int
 
 
 class DataParallelFusion:
-    """The data-parallel context of one fused layer (set as ``layer.forge_dp``)."""
+    """The data-parallel context of one fused layer (``layer.forge_dp``: nn/linear.DataParallelSeam)."""
 
     # Bands are whole multiples of 8 rows: fine enough to balance the states of small
     # layers; a band needs no alignment to the kernel's tiles (a slice is launched as is).
@@ -301,8 +303,6 @@ def enable_data_parallel(model: torch.nn.Module, mode: str = "sharded", group=No
     """Give every fused layer of ``model`` a data-parallel context and keep its weight out
     of DDP's gradient reducer. Call after patch_model and before wrapping in DDP (or
     accelerate's prepare). Returns the fused weights' parameter names."""
-    from .linear import FusedWeightMixin  # linear imports nothing from here
-
     names = []
     fused = [(n, m) for n, m in model.named_modules() if isinstance(m, FusedWeightMixin)]
     # one communicator more for the updated rows (DataParallelFusion); every rank calls this

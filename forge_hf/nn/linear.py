@@ -8,52 +8,36 @@ scheduler can drive it. Its optimizer state lives with it (``forge_state``).
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .reference import mix32, reference_fused_update
-from .rules import get_rule, make_group
-from .state import ForgeState, check_rounding
-from .step_args import step_args
+from ..core.launch_args import next_launch_args
+from ..core.rounding import layer_salt
+from ..core.rules import get_rule, make_group
+from ..core.state import ForgeState, check_rounding
+from ..kernels.dispatch import check_backend, resolve_backend
 
-BACKENDS = ("auto", "triton", "reference")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _triton_launcher():
-    try:
-        from .kernels.fused_update import launch_fused_update
-    except ImportError:  # no Triton on this platform
-        return None
-    return launch_fused_update
+class DataParallelSeam(Protocol):
+    """What a fused layer asks of data parallelism (optim/distributed.py provides it): the
+    tokens of every rank for its weight gradient, the band of rows this rank steps, and
+    the updated rows of the others."""
 
+    mode: str  # "sharded": this rank keeps and steps its band of rows; "replicated": all rows
+    group: object  # the process group of the layer's replicas
 
-def resolve_backend(backend: str, device: torch.device):
-    """The function that performs the fused step for a weight on ``device``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend={backend!r}: choose one of {list(BACKENDS)}")
-    if backend == "reference":
-        return reference_fused_update
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
-    launcher = _triton_launcher() if (device.type == "cuda" or interpreted) else None
-    if launcher is None:
-        if backend == "triton":
-            raise RuntimeError(
-                f"backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
-                f"the weight is on {device}: use backend='auto' or 'reference'"
-            )
-        return reference_fused_update
-    return launcher
-
-
-def layer_salt(seed: int, layer_index: int) -> int:
-    """32-bit key of a layer's stochastic-rounding stream."""
-    return mix32((int(seed) & 0xFFFFFFFF) ^ mix32((layer_index * 0x9E3779B1 + 1) & 0xFFFFFFFF))
+    def announce_tokens(self, n_tokens: int) -> None: ...
+    def gather_tokens(self, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rows(self, n_rows: int) -> tuple[int, int]: ...
+    def share_rows(self, weight: torch.Tensor) -> None: ...
+    def wait(self) -> None: ...
 
 
 def _in_this_backward(node) -> bool:
@@ -117,6 +101,7 @@ class FusedWeightMixin:
     """The forge machinery shared by ForgeLinear and the Conv1D variant."""
 
     forge_transposed = False  # Conv1D stores its weight as (in, out)
+    forge_dp: DataParallelSeam | None = None  # set by optim/distributed.enable_data_parallel
 
     def forge_setup(self, optimizer="adamw", state_precision="fp32", rounding="stochastic",
                     seed=0, layer_index=0, backend="auto", **hyperparameters):
@@ -125,8 +110,7 @@ class FusedWeightMixin:
                 f"weight dtype {self.weight.dtype} is not supported by forge: use float32 weights "
                 "(with autocast for mixed precision) or bfloat16 weights"
             )
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend={backend!r}: choose one of {list(BACKENDS)}")
+        check_backend(backend)
         self.forge_rule = get_rule(optimizer)
         self.forge_group = make_group(self.forge_rule, hyperparameters)
         self.forge_state = ForgeState(self.forge_rule, state_precision, transposed=self.forge_transposed)
@@ -262,7 +246,7 @@ class FusedWeightMixin:
     def forge_fused_step(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
         rule, group, state = self.forge_rule, self.forge_group, self.forge_state
         weight, param = self.forge_weight_view().data, self.weight
-        dp = self.__dict__.get("forge_dp")
+        dp = self.forge_dp
         start = 0
         if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
             x2, dy2 = dp.gather_tokens(x2, dy2)
@@ -274,7 +258,7 @@ class FusedWeightMixin:
         device = self.weight.device
         if self.forge_stats.device != device:
             self.forge_stats = self.forge_stats.to(device)
-        args = step_args(rule, group, state, layer_salt(self.forge_seed, self.forge_layer_index), device, start)
+        args = next_launch_args(rule, group, state, layer_salt(self.forge_seed, self.forge_layer_index), device, start)
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
             run = resolve_backend(self.forge_backend, device)
             run(x2, dy2, weight, state.kernel_slots(), args, self.forge_stats,
@@ -284,7 +268,7 @@ class FusedWeightMixin:
 
     def forge_ready(self) -> None:
         """Finish a pending data-parallel gather of updated rows before the weight is read."""
-        dp = self.__dict__.get("forge_dp")
+        dp = self.forge_dp
         if dp is not None:
             dp.wait()
 
@@ -300,7 +284,7 @@ class FusedWeightMixin:
         anchor = self.__dict__.get("_forge_anchor")
         if anchor is None or anchor.device != self.weight.device:
             anchor = self._forge_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
-        dp = self.__dict__.get("forge_dp")
+        dp = self.forge_dp
         if dp is not None:
             x = inputs[0]
             dp.announce_tokens(x.numel() // max(x.shape[-1], 1))
@@ -345,7 +329,7 @@ class ForgeLinear(FusedWeightMixin, nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, optimizer: str = "adamw", state_precision: str = "fp32",
-                    rounding: str = "stochastic", seed: int = 0, **hyperparameters) -> "ForgeLinear":
+                    rounding: str = "stochastic", seed: int = 0, **hyperparameters) -> ForgeLinear:
         """A ForgeLinear that shares ``linear``'s Parameter objects (no copy) and hooks."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")

@@ -88,7 +88,7 @@ def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
         # alive at the peak of a Llama-3.1-8B step at 512 tokens). Not while a CUDA graph is
         # captured: without a cache, transformers checks position_ids for packed sequences,
         # cannot while capturing, and builds a 4-D causal mask; SDPA's masked path then keeps
-        # the expanded keys and values (+0.2 GiB at that peak, benchmarks/NOTES.md).
+        # the expanded keys and values (+0.2 GiB at that peak).
         inputs.setdefault("use_cache", False)
     logits = model(**inputs).logits
     targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]

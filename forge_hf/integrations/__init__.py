@@ -1,0 +1,1 @@
+"""Hugging Face glue: the ``forge_<rule>`` optimizer names and ForgeTrainer / ForgeTrainerMixin."""
