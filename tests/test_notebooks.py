@@ -9,6 +9,8 @@ environment whatever other ``python3`` kernels the machine has.
 
 import ast
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,8 +35,8 @@ TINY_FINETUNE = dict(
 
 
 def cpt_state_precision() -> str:
-    """8-bit state once forge_hf has it (issue 5), bf16 until then."""
-    from forge_hf.state import STATE_PRECISIONS
+    """8-bit state where forge_hf has it, else bf16."""
+    from forge_hf.core.state import STATE_PRECISIONS
 
     return "int8" if "int8" in STATE_PRECISIONS else "bf16"
 
@@ -78,6 +80,12 @@ def benchmark_results(tmp_path: Path) -> Path:
     return out
 
 
+def install_cell(nb) -> str:
+    installs = [c.source for c in nb.cells if c.cell_type == "code" and "pip" in c.source and "install" in c.source]
+    assert len(installs) == 1, f"{len(installs)} install cells: a notebook needs exactly one"
+    return installs[0]
+
+
 def parameters_cell(nb) -> int:
     tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{len(tagged)} cells tagged 'parameters': a notebook needs exactly one"
@@ -106,7 +114,6 @@ def kernel_env(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     monkeypatch.setenv("MPLBACKEND", "Agg")  # no display needed: figures are not kept
-    monkeypatch.delenv("FORGE_HF_SOURCE", raising=False)
     return tmp_path
 
 
@@ -125,8 +132,68 @@ def test_notebook_is_stored_clean(path):
     parameters_cell(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(not c.outputs and c.execution_count is None for c in code), f"{path.name}: clear the outputs"
-    installs = [c for c in code if "pip" in c.source and "install" in c.source]
-    assert len(installs) == 1, f"{path.name}: {len(installs)} install cells, want one"
+    install_cell(nb)
+
+
+def test_install_cell_is_the_same_in_every_notebook():
+    cells = {p.name: install_cell(nbformat.read(p, as_version=4)) for p in NOTEBOOKS}
+    assert len(set(cells.values())) == 1, f"the install cells differ: make {sorted(cells)} agree"
+
+
+# `python -m pip` in the cell's subprocess finds this module first (PYTHONPATH): it records
+# its arguments and exits with FAKE_PIP_EXIT, so nothing is installed and nothing is fetched
+FAKE_PIP = """import json, os, sys
+with open(os.environ["FAKE_PIP_LOG"], "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+sys.exit(int(os.environ["FAKE_PIP_EXIT"]))
+"""
+
+
+def run_install_cell(tmp_path, *, installed: bool, pip_exit: int = 0, wheels=()):
+    """The install cell's code in a fresh interpreter whose working directory (the notebook's
+    folder) holds `wheels`; with installed=False forge_hf does not import there. Returns the
+    finished process, pip's calls and what the folder holds afterwards."""
+    (tmp_path / "fake" / "pip").mkdir(parents=True)
+    (tmp_path / "fake" / "pip" / "__init__.py").write_text("")
+    (tmp_path / "fake" / "pip" / "__main__.py").write_text(FAKE_PIP)
+    folder = tmp_path / "notebook"
+    folder.mkdir()
+    for age, name in enumerate(reversed(wheels)):  # the last one named is the newest
+        (folder / name).write_bytes(b"")
+        os.utime(folder / name, (1e9 - age, 1e9 - age))
+    hide = "" if installed else "import sys; sys.modules['forge_hf'] = None  # find_spec: None\n"
+    source = hide + install_cell(nbformat.read(NOTEBOOKS[0], as_version=4))
+    log = tmp_path / "pip_calls.jsonl"
+    env = {**os.environ, "FAKE_PIP_LOG": str(log), "FAKE_PIP_EXIT": str(pip_exit), "PIP_NO_INDEX": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "fake"), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", source], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=120)
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return done, calls, sorted(p.name for p in folder.iterdir())
+
+
+def test_install_cell_does_nothing_when_forge_hf_imports(tmp_path):
+    done, calls, left = run_install_cell(tmp_path, installed=True)
+    assert done.returncode == 0, done.stderr
+    assert calls == [] and left == [] and done.stdout == ""
+
+
+def test_install_cell_installs_the_newest_wheel_next_to_the_notebook(tmp_path):
+    wheels = ("forge_hf-0.1.0-py3-none-any.whl", "forge_hf-0.1.1-py3-none-any.whl")
+    done, calls, left = run_install_cell(tmp_path, installed=False, wheels=wheels)
+    assert done.returncode == 0, done.stderr
+    assert calls == [["install", "-q", "forge_hf-0.1.1-py3-none-any.whl"]]
+
+
+def test_install_cell_without_index_or_wheel_names_both_ways(tmp_path):
+    done, calls, left = run_install_cell(tmp_path, installed=False, pip_exit=1)
+    assert calls == [["install", "-q", "forge-hf"]], "the distribution is installed by its name"
+    assert done.returncode != 0 and left == [], "nothing may be installed or left behind"
+    message = done.stderr.strip().splitlines()
+    assert message[-3].startswith("RuntimeError: pip could not install forge-hf"), done.stderr
+    assert message[-2].strip() == "- pip install forge-hf"
+    assert "`python -m build`" in message[-1] and "dist/forge_hf-*.whl" in message[-1]
+    assert str(tmp_path / "notebook") in message[-1], "the message says where the wheel goes"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
