@@ -5,7 +5,10 @@ over one eager step and over the capture of forge's GraphedStep (Llama-3.1-8B sh
 512, Liger's kernels without its cross-entropy, causal_lm_loss, recompute_swiglu, as in
 run_grid.py), replays each trace to find the moment of most allocated bytes, and groups the
 allocations alive then by the innermost frame of this project, transformers or Liger
-(else torch's). Usage: python benchmarks/capture_memory.py --state bf16 --out result.json
+(else torch's). Each phase's peak is a row of the results table (arm forge_STATE_eager,
+_capture, _replay); --out writes the sites alive at each peak as JSON.
+
+    python benchmarks/capture_memory.py --state int8 --out capture_int8.json
 """
 
 import argparse
@@ -15,6 +18,7 @@ import json
 import torch
 
 from models import build_model
+from results_table import add_table_option, append_rows
 from run_grid import make_optimizer
 
 OWN = ("forge_hf/", "transformers/", "liger_kernel/", "benchmarks/")
@@ -66,7 +70,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--state", default="bf16", choices=["bf16", "int8"])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="also write the allocation sites alive at each peak as JSON")
+    add_table_option(ap)
     opts = ap.parse_args()
     import forge_hf
 
@@ -79,8 +84,13 @@ def main():
     result = dict(model=opts.model, state=opts.state, eager=recorded(lambda: step(batch)),
                   capture=recorded(lambda: step(batch)), replay=recorded(lambda: step(batch)))
     print(json.dumps(result, indent=1))
-    with open(opts.out, "w") as f:
-        json.dump(result, f, indent=1)
+    note = "Liger kernels, not its cross-entropy, causal_lm_loss, recompute_swiglu; a process of its own"
+    append_rows([dict(model=opts.model, batch="1x512", arm=f"forge_{opts.state}_{phase}",
+                      peak_gib=result[phase]["peak_gib"], tool="capture_memory", note=note)
+                 for phase in ("eager", "capture", "replay")], opts.table)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

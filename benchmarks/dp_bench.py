@@ -1,8 +1,8 @@
-"""Data-parallel FORGE on real shapes (issue 10): one process per GPU under torchrun.
+"""Data-parallel FORGE on real shapes: one process per GPU under torchrun.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/dp_bench.py --mode parity --out dp_parity.json
     torchrun --standalone --nproc_per_node 2 benchmarks/dp_bench.py --mode speed \
-        --models qwen3-1.7b,llama-3.1-8b --out dp_speed.json
+        --models qwen3-1.7b,llama-3.1-8b --arms forge_dp_graphed,ddp_fused_adamw,fsdp2_fused_adamw
     # dry run on CPU (gloo, forge's reference backend): add --device cpu --tiny
 
 parity: W ranks at local batch b against one process at batch W*b, same init and data
@@ -11,8 +11,9 @@ are captured and replayed (forge_hf.GraphedStep: 2 eager steps, a capture, repla
 difference (absolute, relative to each tensor's largest weight, in ulps of the weight
 dtype), fused and non-fused weights apart, and whether the replicas are bit-identical.
 speed: step time and per-rank peak memory of forge_dp (sharded state), DDP + fused AdamW
-and FSDP2 + fused AdamW, bf16 parameters, batch b x seq per rank; JSON rewritten after
-every arm so a timeout keeps what is done.
+and FSDP2 + fused AdamW, bf16 parameters, batch b x seq per rank; each arm a row of the
+results table as soon as it is measured (step: the slowest rank's; peak: the largest rank's),
+--out also writes every rank's fields as JSON.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import forge_hf
-from forge_hf.distributed import enable_data_parallel, row_band
-from forge_hf.optim import fused_layers
+from forge_hf.optim.distributed import enable_data_parallel, row_band
+from forge_hf.optim.optimizer import fused_layers
+
 from models import SHAPES, build_model
+from results_table import add_table_option, append_rows
 from timing import profile_steps, step_times, summary
 
 ARMS = ("forge_dp", "ddp_fused_adamw", "fsdp2_fused_adamw")
@@ -113,13 +116,14 @@ def free():
 
 
 def write(opts, payload):
-    with open(opts.out, "w") as f:
-        json.dump(payload, f, indent=1)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(payload, f, indent=1)
 
 
 def header(opts, world):
     name = torch.cuda.get_device_name(opts.dev) if opts.dev.type == "cuda" else "cpu"
-    args = {k: v for k, v in vars(opts).items() if k != "dev"}
+    args = {k: str(v) if k == "table" else v for k, v in vars(opts).items() if k != "dev"}
     return dict(device=name, torch=torch.__version__, world=world, args=args)
 
 
@@ -303,7 +307,7 @@ def ablate(kind: str, world: int) -> None:
     no_announce: token counts taken as equal on every rank (true here: same batch shape),
     never exchanged. local_tokens: no token gather at all, this rank's tokens
     repeated instead: the gradient is wrong, only the timing means anything."""
-    from forge_hf import distributed
+    from forge_hf.optim import distributed
 
     if kind == "no_announce":
         distributed.TokenGather.announce = lambda self, t_local: None
@@ -369,7 +373,7 @@ def run_arm(opts, name, arm, world, rank):
     finally:
         if cuda:
             res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        del model, runner, opt
+        model = runner = opt = None
         free()
     return res
 
@@ -390,6 +394,22 @@ def combine(name, arm, per_rank, world, opts):
     return row
 
 
+def table_row(row: dict, world: int, opts) -> dict:
+    """The results table's row of one arm; a forge arm's name carries its state precision."""
+    spreads = [r["step_ms_q3"] - r["step_ms_q1"] for r in row["per_rank"] if "step_ms_q1" in r]
+    setup = [f"{world} ranks, batch per rank", "causal_lm_loss" if opts.loss == "forge" else "the model's loss"]
+    if opts.liger:
+        setup.append("Liger kernels")
+    if opts.ablate != "none":
+        setup.append(f"ablation {opts.ablate}")
+    if row["status"] != "ok":
+        setup.append(f"{row['status']}: {row.get('reason', '')[:200]}")
+    return dict(model=row["model"], batch=f"{opts.batch}x{opts.seq}",
+                arm=row["arm"] + (f"_{opts.state}" if row["arm"].startswith("forge") else ""),
+                step_ms=row.get("step_ms"), spread_ms=max(spreads, default=None), peak_gib=row.get("peak_gib_max"),
+                tool="dp_bench", note=", ".join(setup))
+
+
 def speed(opts, world, rank):
     rows = []
     for name in opts.models.split(","):
@@ -402,6 +422,9 @@ def speed(opts, world, rank):
                 rows.append(dict(combine(name, arm, per_rank, world, opts), wall_s=time.time() - t0))
                 print(json.dumps(rows[-1]), flush=True)
                 write(opts, dict(header(opts, world), mode="speed", results=rows))
+                if not opts.tiny:  # a dry run's shapes are not the model's
+                    append_rows([table_row(rows[-1], world, opts)], opts.table,
+                                gpu=f"{world}x {header(opts, world)['device']}")
             dist.barrier()  # the next arm's peak memory starts from freed ranks
 
 
@@ -434,7 +457,8 @@ def main():
     ap.add_argument("--ablate", choices=("none", "no_announce", "local_tokens"), default="none",
                     help="speed mode: a benchmark-only change of forge's data-parallel layer (see ablate)")
     ap.add_argument("--profile", action="store_true", help="speed mode: each rank profiles 3 more steps")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="also write the results as JSON (parity mode: its only output)")
+    add_table_option(ap)
     opts = ap.parse_args()
     if opts.steps is None:
         opts.steps = 5 if opts.mode == "parity" else 10

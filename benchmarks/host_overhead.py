@@ -1,6 +1,7 @@
 """Host (CPU) cost of a fused step, on a GPU machine: microseconds per launch of the fused
-kernel through forge's launcher, through Triton's JIT dispatch with prepared arguments, and
-through the compiled kernel directly; then a cProfile of whole training steps.
+kernels through forge's launchers, through Triton's JIT dispatch with prepared arguments, and
+through the compiled kernel directly; then the wall time and a cProfile of whole eager
+training steps. The per-call costs (in ms) and the step are rows of the results table.
 
     python benchmarks/host_overhead.py [--model qwen3-0.6b] > host_overhead.txt
 """
@@ -13,11 +14,15 @@ import time
 import torch
 
 import forge_hf
-from forge_hf.kernels.fused_update import fused_update_kernel, kernel_call, launch_fused_update
-from forge_hf.step_args import pack_args
-from forge_hf.rules import get_rule, make_group
-from forge_hf.state import ForgeState
+from forge_hf.core.launch_args import pack_args
+from forge_hf.core.rules import get_rule, make_group
+from forge_hf.core.state import ForgeState
+from forge_hf.kernels.dispatch import launch_fused_update
+from forge_hf.kernels.fused_update import RULE_UPDATES, fused_launch_arguments, fused_update_kernel
+from forge_hf.kernels.persistent_launch import launch_persistent, persistent_unsupported
+
 from models import build_model
+from results_table import add_table_option, append_rows
 
 
 def per_call_us(fn, n=300):
@@ -32,7 +37,8 @@ def per_call_us(fn, n=300):
     return host
 
 
-def launch_costs():
+def launch_costs() -> dict:
+    """Host microseconds per call of each step of a launch, on a 64 x 64 layer at 16 tokens."""
     rule = get_rule("adamw")
     group = make_group(rule, dict(lr=1e-5))
     x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
@@ -43,22 +49,33 @@ def launch_costs():
     stats = torch.zeros(2, device="cuda")
     slots = state.kernel_slots()
     args = pack_args(rule.prepare(group, state.host), 1, 7, "cuda")
-    grid, positional, constexprs = kernel_call(x, dy, w, slots, args, stats, "adamw", True)
+    grid, positional, constexprs = fused_launch_arguments(x, dy, w, slots, args, stats, "adamw", True)
     grid = (*grid, 1)
     compiled = fused_update_kernel[grid](*positional, **constexprs, num_warps=4, num_stages=3)
     names = fused_update_kernel.arg_names
     every = positional + [constexprs[n] for n in names[len(positional):]]
     runner = compiled[grid]
-    print("us per call (host, tiny layer):")
-    print("  pack_args + prepare   ", round(per_call_us(lambda: pack_args(rule.prepare(group, dict(state.host)), 1, 7, "cuda")), 1))
-    print("  kernel_call           ", round(per_call_us(lambda: kernel_call(x, dy, w, slots, args, stats, "adamw", True)), 1))
-    print("  launch_fused_update   ", round(per_call_us(lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", True)), 1))
-    print("  JIT dispatch only     ", round(per_call_us(lambda: fused_update_kernel[grid](*positional, **constexprs, num_warps=4, num_stages=3)), 1))
-    print("  compiled kernel runner", round(per_call_us(lambda: runner(*every)), 1))
-    print("  torch add_ (reference)", round(per_call_us(lambda: w.add_(0)), 1))
+    calls = {
+        "pack_args": lambda: pack_args(rule.prepare(group, dict(state.host)), 1, 7, "cuda"),
+        "fused_launch_arguments": lambda: fused_launch_arguments(x, dy, w, slots, args, stats, "adamw", True),
+        "launch_fused_update": lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", True),
+        "triton_jit_dispatch": lambda: fused_update_kernel[grid](*positional, **constexprs, num_warps=4,
+                                                                 num_stages=3),
+        "compiled_runner": lambda: runner(*every),
+        "torch_add_": lambda: w.add_(0),  # for reference: one small torch op
+    }
+    if persistent_unsupported(x, dy, w, slots) is None:
+        calls["launch_persistent"] = lambda: launch_persistent(x, dy, w, slots, args, stats, RULE_UPDATES["adamw"],
+                                                               True)
+    costs = {name: per_call_us(fn) for name, fn in calls.items()}
+    print("us per call (host, 64 x 64 layer, 16 tokens):")
+    for name, us in costs.items():
+        print(f"  {name:24s}{us:8.1f}")
+    return costs
 
 
-def profile_training(model_name, steps):
+def profile_training(model_name, steps) -> float:
+    """Wall ms of an eager forge step (bf16 state, 1 x 512), then a cProfile of ``steps`` more."""
     model = build_model(model_name)
     forge_hf.patch_model(model, optimizer="adamw", state_precision="bf16", lr=1e-5, weight_decay=0.01)
     opt = forge_hf.ForgeOptimizer(model, lr=1e-5, weight_decay=0.01)
@@ -76,7 +93,8 @@ def profile_training(model_name, steps):
     for _ in range(steps):
         step()
     torch.cuda.synchronize()
-    print(f"{model_name}: {(time.perf_counter() - t) / steps * 1e3:.1f} ms per step (wall, no profiler)")
+    wall_ms = (time.perf_counter() - t) / steps * 1e3
+    print(f"{model_name}: {wall_ms:.1f} ms per step (wall, no profiler)")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -84,15 +102,22 @@ def profile_training(model_name, steps):
     torch.cuda.synchronize()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+    return wall_ms
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--steps", type=int, default=5)
+    add_table_option(ap)
     opts = ap.parse_args()
-    launch_costs()
-    profile_training(opts.model, opts.steps)
+    costs = launch_costs()
+    wall_ms = profile_training(opts.model, opts.steps)
+    rows = [dict(model="64x64 layer", batch="1x16", arm=f"host_{name}", step_ms=us / 1e3, tool="host_overhead",
+                 note="host time per call") for name, us in costs.items()]
+    rows.append(dict(model=opts.model, batch="1x512", arm="forge_bf16", step_ms=wall_ms, tool="host_overhead",
+                     note="eager step, wall clock, model's own loss"))
+    append_rows(rows, opts.table)
 
 
 if __name__ == "__main__":

@@ -1,122 +1,189 @@
-"""Fused-kernel time per Llama-3.1-8B linear shape at 512 tokens, against its floor.
+"""GPU time of the fused kernel over a model's linear shapes, summed as the model runs them,
+against its memory floor; and cuBLAS forming the same weight gradients (dY^T X), for reference.
 
-Floor = max(bytes it must move / measured HBM copy bandwidth, FLOPs / measured bf16
-matmul rate). Bytes: read x and dy once, read and write the weight and each state (codes
-and block metadata for the 8-bit precisions).
-Also times cuBLAS forming the same weight gradient (dY^T X, bf16 out): the matmul part
-alone, for reference.
-Usage: python benchmarks/kernel_microbench.py [--state fp32|bf16|int8|al8] [--configs all|default]
-       [--maxnreg N] [--variant NAME (kernel_variants.py)] [--out results.json]
+Floor of a shape = max(bytes the kernel must move / measured copy bandwidth, its FLOPs /
+measured bf16 matmul rate); the bytes: x and dy read once, the weight and each state read
+and written. Times are the GPU time of CUDA-graph replays (a training step runs graphed),
+AdamW, one layer of each distinct shape at a time. One row per kernel arm goes to the
+results table (step_ms: the model sum), plus the floor and cuBLAS rows.
+
+    python benchmarks/kernel_microbench.py --state int8                    # the persistent kernel
+    python benchmarks/kernel_microbench.py --kernel triton --configs all   # tile configs, best kept
+    python benchmarks/kernel_microbench.py --ablate mainloop_only          # kernel_ablations.py
+    ncu --kernel-name regex:update --launch-skip 3 --launch-count 1 --set full -o prof \\
+        python benchmarks/kernel_microbench.py --ncu gate_proj/up_proj     # launches only, no timing
 """
 
 import argparse
 import json
+from functools import partial
 
 import torch
 import triton
 
-import kernel_variants
-from forge_hf.kernels.fused_update import default_config, launch_fused_update
-from forge_hf.step_args import ARGS_LEN, pack_args
-from forge_hf.rules import get_rule, make_group
-from forge_hf.state import STATE_PRECISIONS, ForgeState
+from forge_hf.core.launch_args import next_launch_args
+from forge_hf.core.rules import get_rule, make_group
+from forge_hf.core.state import STATE_PRECISIONS, ForgeState
+from forge_hf.kernels.dispatch import launch_fused_update
+from forge_hf.kernels.fused_update import RULE_UPDATES, default_config
+from forge_hf.kernels.persistent_launch import launch_persistent, persistent_unsupported
 
-# (name, out_features, in_features, count per model) for Llama-3.1-8B
-LLAMA8B = [("q_proj/o_proj", 4096, 4096, 64), ("k_proj/v_proj", 1024, 4096, 64),
-           ("gate/up_proj", 14336, 4096, 64), ("down_proj", 4096, 14336, 32), ("lm_head", 128256, 4096, 1)]
-# (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages). The epilogue is latency-bound at one or two
-# programs per SM (Nsight Compute: 12.5% occupancy, 218 registers a thread), so the
-# candidates spread a tile over more warps: 16 elements a thread need ~100 registers.
+import kernel_ablations
+from models import SHAPES, linear_shapes
+from results_table import add_table_option, append_rows
+
+# (BLOCK_N, BLOCK_K, BLOCK_T, warps, stages) for --configs all: the Triton kernel's tile sweep
 CONFIGS = [
-    (64, 64, 64, 8, 3), (64, 64, 64, 8, 4), (64, 64, 64, 8, 2), (64, 64, 128, 8, 2), (64, 64, 32, 8, 4),
-    (64, 128, 64, 16, 3), (128, 64, 64, 16, 3), (32, 64, 64, 4, 3), (32, 128, 64, 8, 3),
-    (64, 64, 64, 4, 4), (64, 128, 64, 4, 3),
+    (64, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 64, 64, 8, 4), (64, 64, 128, 8, 2),
+    (64, 64, 32, 8, 4), (64, 128, 64, 4, 3), (64, 128, 64, 16, 3), (128, 64, 64, 16, 3), (32, 64, 64, 4, 3),
+    (32, 128, 64, 8, 3),
 ]
 
 
-def ceilings():
-    a = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+def ceilings() -> tuple[float, float]:
+    """Measured HBM copy bandwidth (bytes/s) and bf16 matmul rate (FLOP/s)."""
+    a = torch.empty(1024**3, dtype=torch.bfloat16, device="cuda")
     b = torch.empty_like(a)
     ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
-    bw = 2 * a.numel() * 2 / (ms * 1e-3)
+    bandwidth = 2 * a.numel() * a.element_size() / (ms * 1e-3)
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: m @ m, return_mode="median")
-    return bw, 2 * 8192**3 / (ms * 1e-3)
+    return bandwidth, 2 * 8192**3 / (ms * 1e-3)
 
 
-def _flat(config: dict) -> tuple:
-    return (*config["blocks"], config["num_warps"], config["num_stages"])
+def gpu_ms(fn) -> float:
+    """Median ms of ``fn`` replayed in a CUDA graph: GPU time without the host's launch cost."""
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def parse_configs(text: str, n: int, k: int, tokens: int) -> list[tuple]:
+def layer(n: int, k: int, tokens: int, precision: str, seed: int = 0):
+    """x, dy, weight, state slots and launch arguments of one layer three steps in, its states
+    filled with small random values (8-bit codes then span their range)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g) * 1e-3
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    rule = get_rule("adamw")
+    group = make_group(rule, dict(lr=1e-5, weight_decay=0.01))
+    state = ForgeState(rule, precision, transposed=False)  # the layout a fused layer allocates
+    state.allocate(w, group)
+    for s in state.kernel_slots():
+        if isinstance(s, torch.Tensor):
+            s.copy_(torch.rand(n, k, device="cuda", generator=g) * 1e-4)
+        elif s is not None:
+            s.write(torch.rand(n, k, device="cuda", generator=g) * 1e-4)
+    for _ in range(3):
+        args = next_launch_args(rule, group, state, 1234, "cuda")
+    return x, dy, w, state, args
+
+
+def launcher(opts, x, dy, w, slots, args, stats, config=None):
+    """The launch this run times: the persistent kernel (or an ablation of it), or the Triton
+    kernel with ``config`` (BN, BK, BT, warps, stages; None: its default)."""
+    stochastic = opts.rounding == "stochastic"
+    if opts.kernel == "persistent":
+        reason = persistent_unsupported(x, dy, w, slots)
+        if reason:
+            raise SystemExit(f"the persistent kernel does not take this layer ({reason}): use --kernel triton")
+        ablate = kernel_ablations.persistent_flag(opts.ablate)
+        return lambda: launch_persistent(x, dy, w, slots, args, stats, RULE_UPDATES["adamw"], stochastic, ablate)
+    if config is None:
+        c = default_config(*w.shape, x.shape[0])
+        config = (*c["blocks"], c["num_warps"], c["num_stages"])
+    bn, bk, bt, warps, stages = config
+    cap = {} if opts.maxnreg < 0 else dict(maxnreg=opts.maxnreg or None)
+    return lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", stochastic, blocks=(bn, bk, bt),
+                                       num_warps=warps, num_stages=stages, **cap)
+
+
+def parse_configs(text: str) -> list:
+    if text == "default":
+        return [None]
     if text == "all":
         return CONFIGS
-    if text == "default":
-        return [_flat(default_config(n, k, tokens))]
     return [tuple(int(v) for v in config.split(",")) for config in text.split(";")]
 
 
+def ncu_launches(opts) -> None:
+    """A few launches on one shape and nothing else, for Nsight Compute to pick one."""
+    shapes = {name: (n, k) for name, n, k, _ in linear_shapes(opts.model)}
+    if opts.ncu not in shapes:
+        raise SystemExit(f"--ncu {opts.ncu!r}: {opts.model} has the shapes {sorted(shapes)}")
+    x, dy, w, state, args = layer(*shapes[opts.ncu], opts.tokens, opts.state)
+    launch = launcher(opts, x, dy, w, state.kernel_slots(), args, torch.zeros(2, device="cuda"),
+                      parse_configs(opts.configs)[0])
+    for _ in range(opts.launches):
+        launch()
+    torch.cuda.synchronize()
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES), help="whose linear shapes to sum")
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--out", default=None)
     ap.add_argument("--state", default="bf16", choices=STATE_PRECISIONS)
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
-    ap.add_argument("--configs", default="all",
-                    help="'all', 'default' (the kernel's own choice per shape), or 'BN,BK,BT,warps,stages;...'")
+    ap.add_argument("--kernel", default="persistent", choices=["persistent", "triton"],
+                    help="persistent: the Gluon kernel (Hopper; bf16 weight, bf16 or int8 state); "
+                         "triton: fused_update.py's")
+    ap.add_argument("--configs", default="default",
+                    help="triton: 'default' (its own per shape), 'all' (CONFIGS, best kept) "
+                         "or 'BN,BK,BT,warps,stages;...'")
     ap.add_argument("--maxnreg", type=int, default=-1,
-                    help="a register cap per thread (0: none; default: the kernel's own, default_config)")
-    ap.add_argument("--variant", default="base", help="a benchmark-only kernel variant (kernel_variants.py)")
+                    help="triton: a register cap per thread (0: none; default: its own, default_config)")
+    ap.add_argument("--ablate", default="none", choices=["none", *kernel_ablations.ABLATIONS],
+                    help="time the kernel without one of its stages (kernel_ablations.py)")
+    ap.add_argument("--ncu", metavar="SHAPE", help="only launch the kernel on this shape (e.g. gate_proj/up_proj)")
+    ap.add_argument("--launches", type=int, default=5, help="with --ncu")
+    ap.add_argument("--out", default=None, help="also write the per-shape timings as JSON")
+    add_table_option(ap)
     opts = ap.parse_args()
-    kernel_variants.apply(opts.variant)
-    bw, flops = ceilings()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
-    rule = get_rule("adamw")
-    group = make_group(rule, dict(lr=1e-5))
-    rows, total_best, total_floor = [], 0.0, 0.0
-    for name, n, k, count in LLAMA8B:
-        T = opts.tokens
-        x = torch.randn(T, k, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(T, n, device="cuda", dtype=torch.bfloat16) * 1e-3
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        state = ForgeState(rule, opts.state, transposed=False)  # the layout a fused layer allocates
-        state.allocate(w, group)
-        slots = state.kernel_slots()
-        stats = torch.zeros(2, device="cuda")
-        host = rule.host_init()
-        args = pack_args(rule.prepare(group, host), host["step"], 1234, "cuda")
-        assert args.numel() == ARGS_LEN
-        moved = 2 * T * (n + k) + 2 * (2 * n * k) + 2 * state.nbytes()
-        floor_ms = max(moved / bw, 2 * T * n * k / flops) * 1e3
-        gemm_ms = triton.testing.do_bench(lambda: torch.mm(dy.t(), x), return_mode="median")
+    if opts.kernel == "triton" and opts.ablate != "none":
+        kernel_ablations.apply_triton(opts.ablate)
+    if opts.ncu:
+        return ncu_launches(opts)
+    bandwidth, flops = ceilings()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    rows, total, floor_total, cublas_total = [], 0.0, 0.0, 0.0
+    for name, n, k, count in linear_shapes(opts.model):
+        x, dy, w, state, args = layer(n, k, opts.tokens, opts.state)
+        slots, stats = state.kernel_slots(), torch.zeros(2, device="cuda")
+        moved = 2 * opts.tokens * (n + k) + 2 * w.numel() * w.element_size() + 2 * state.nbytes()
+        floor = max(moved / bandwidth, 2 * opts.tokens * n * k / flops) * 1e3
+        cublas = gpu_ms(partial(torch.mm, dy.t(), x))
         timings = {}
-        configs = parse_configs(opts.configs, n, k, T)
-        cap = {} if opts.maxnreg < 0 else dict(maxnreg=opts.maxnreg or None)
-        for cfg in configs:
-            bn, bk, bt, nw, ns = cfg
-            fn = lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", opts.rounding == "stochastic",
-                                             blocks=(bn, bk, bt), num_warps=nw, num_stages=ns, **cap)
+        for config in parse_configs(opts.configs) if opts.kernel == "triton" else [None]:
             try:
-                timings[str(cfg)] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-            except Exception as e:  # a config may not fit shared memory
-                timings[str(cfg)] = None
-                print(name, cfg, type(e).__name__, str(e)[:80])
-        best_cfg = min((c for c in timings if timings[c] is not None), key=timings.get)
-        best = timings[best_cfg]
-        total_best += best * count
-        total_floor += floor_ms * count
-        rows.append(dict(shape=name, out=n, inp=k, tokens=T, count=count, floor_ms=floor_ms,
-                         cublas_grad_ms=gemm_ms, best_ms=best, best_config=best_cfg, pct_of_floor=100 * floor_ms / best,
-                         timings_ms=timings))
-        print(f"{name:14s} {n:6d}x{k:6d} floor {floor_ms:.3f} ms best {best:.3f} ms "
-              f"({100 * floor_ms / best:.0f}% of floor) {best_cfg}; cuBLAS dW alone {gemm_ms:.3f} ms")
-    print(f"model total: fused {total_best:.1f} ms vs floor {total_floor:.1f} ms "
-          f"({100 * total_floor / total_best:.0f}%)")
+                timings[str(config or "default")] = gpu_ms(launcher(opts, x, dy, w, slots, args, stats, config))
+            except Exception as e:  # noqa: BLE001 - a config may not fit shared memory: a result too
+                print(name, config, type(e).__name__, str(e)[:100])
+        best = min(timings, key=timings.get)
+        total, floor_total, cublas_total = (total + timings[best] * count, floor_total + floor * count,
+                                            cublas_total + cublas * count)
+        rows.append(dict(shape=name, out=n, inp=k, count=count, floor_ms=floor, cublas_wgrad_ms=cublas,
+                         best_ms=timings[best], best_config=best, timings_ms=timings))
+        print(f"{name:18s} {n:6d}x{k:6d} x{count:<3d} kernel {timings[best]:.3f} ms ({best}), floor {floor:.3f} "
+              f"({100 * floor / timings[best]:.0f}%), cuBLAS dW {cublas:.3f}")
+    print(f"model sum: kernel {total:.2f} ms, floor {floor_total:.2f} ms ({100 * floor_total / total:.1f}%), "
+          f"cuBLAS dW {cublas_total:.2f} ms")
+    arm = f"kernel_{opts.kernel}_{opts.state}" + ("" if opts.ablate == "none" else f"_{opts.ablate}")
+    setup = f"AdamW, {opts.rounding} rounding, CUDA-graph replays, sum over {sum(r['count'] for r in rows)} linears"
+    if opts.kernel == "triton":
+        setup += f", configs {opts.configs}" + (f", maxnreg {opts.maxnreg}" if opts.maxnreg >= 0 else "")
+    batch = f"1x{opts.tokens}"
+    append_rows([
+        dict(model=opts.model, batch=batch, arm=arm, step_ms=total, tool="kernel_microbench",
+             note=f"{setup}; {100 * floor_total / total:.1f}% of the memory floor"),
+        dict(model=opts.model, batch=batch, arm=f"memory_floor_{opts.state}", step_ms=floor_total,
+             tool="kernel_microbench", note=f"bytes moved at the measured copy bandwidth {bandwidth / 1e12:.2f} TB/s"),
+        dict(model=opts.model, batch=batch, arm="cublas_wgrad", step_ms=cublas_total, tool="kernel_microbench",
+             note="torch.mm(dy.t(), x) per shape, bf16, CUDA-graph replays"),
+    ], opts.table)
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump(dict(bandwidth=bw, matmul_flops=flops, state=opts.state, rounding=opts.rounding,
-                           variant=opts.variant, maxnreg=opts.maxnreg, rows=rows,
-                           total_ms=total_best, total_floor_ms=total_floor), f, indent=1)
+            json.dump(dict(vars(opts), table=str(opts.table), bandwidth=bandwidth, matmul_flops=flops, rows=rows,
+                           total_ms=total, floor_ms=floor_total, cublas_wgrad_ms=cublas_total), f, indent=1)
 
 
 if __name__ == "__main__":

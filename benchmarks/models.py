@@ -1,28 +1,45 @@
 """Real-shaped models from their public configs, random weights, built on the GPU in bf16."""
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 QWEN3 = dict(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
              num_key_value_heads=8, rms_norm_eps=1e-6)
 SHAPES = {
-    "llama-3.1-8b": (LlamaConfig, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    "llama-3.1-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                        max_position_embeddings=131072, rope_theta=5e5, rms_norm_eps=1e-5,
                                        tie_word_embeddings=False)),
-    "qwen3-0.6b": (Qwen3Config, dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    "qwen3-0.6b": ("Qwen3Config", dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                      num_attention_heads=16, tie_word_embeddings=True)),
-    "qwen3-1.7b": (Qwen3Config, dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+    "qwen3-1.7b": ("Qwen3Config", dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                                      num_attention_heads=16, tie_word_embeddings=True)),
-    "qwen3-4b": (Qwen3Config, dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+    "qwen3-4b": ("Qwen3Config", dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                                    num_attention_heads=32, tie_word_embeddings=True)),
-    "qwen3-8b": (Qwen3Config, dict(QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    "qwen3-8b": ("Qwen3Config", dict(QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                    num_attention_heads=32, tie_word_embeddings=False)),
-    "qwen3-14b": (Qwen3Config, dict(QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+    "qwen3-14b": ("Qwen3Config", dict(QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
                                     num_attention_heads=40, tie_word_embeddings=False)),
-    "qwen3-32b": (Qwen3Config, dict(QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+    "qwen3-32b": ("Qwen3Config", dict(QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                                     num_attention_heads=64, tie_word_embeddings=False)),
 }
+
+
+def linear_shapes(name: str) -> list[tuple[str, int, int, int]]:
+    """(names, out_features, in_features, count in the model) of each distinct shape of the
+    model's linear weights: the decoder layers', and lm_head unless it is tied to the embedding."""
+    kw = SHAPES[name][1]
+    h, ffn = kw["hidden_size"], kw["intermediate_size"]
+    head_dim = kw.get("head_dim", h // kw["num_attention_heads"])
+    q, kv = kw["num_attention_heads"] * head_dim, kw["num_key_value_heads"] * head_dim
+    layer = [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q),
+             ("gate_proj", ffn, h), ("up_proj", ffn, h), ("down_proj", h, ffn)]
+    names: dict[tuple[int, int], list[str]] = {}
+    for proj, n, k in layer:
+        names.setdefault((n, k), []).append(proj)
+    shapes = [("/".join(p), n, k, kw["num_hidden_layers"] * len(p)) for (n, k), p in names.items()]
+    if not kw["tie_word_embeddings"]:
+        shapes.append(("lm_head", kw["vocab_size"], h, 1))
+    return shapes
 
 
 def apply_liger(model, cross_entropy=True) -> None:
@@ -44,11 +61,13 @@ def build_model(name: str, device="cuda", dtype=torch.bfloat16, attn="sdpa", see
     fields to change (a dry-run size, fewer layers)."""
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}: choose one of {sorted(SHAPES)}")
+    import transformers
+
     cls, kw = SHAPES[name]
-    config = cls(**{**kw, **overrides}, attn_implementation=attn)
+    config = getattr(transformers, cls)(**{**kw, **overrides}, attn_implementation=attn)
     torch.manual_seed(seed)
     with torch.device(device):  # initialise on the GPU: seconds, not minutes, for 8B
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if liger:
         apply_liger(model, cross_entropy=liger_ce)
     model.train()

@@ -1,13 +1,16 @@
 """Step time and peak memory of optimizer arms on real-shaped models (GPU, bf16 everywhere).
 
-    python benchmarks/run_grid.py --models llama-3.1-8b --cells 1x512 --out benchmarks/results/grid.json
+    python benchmarks/run_grid.py --models llama-3.1-8b --cells 1x512,4x512 --rounds 2 \
+        --arms adamw_fused,forge_bf16_graphed,forge_int8_graphed --liger --no-liger-ce --loss chunked \
+        --recompute-swiglu --no-profile
 
 Arms run in one process; with --rounds 2 the second round runs them in reverse order, so
 drift of the card's clocks does not favour one arm. Each arm builds a fresh model, runs
 ``--warmup`` steps, then times ``--steps`` steps with CUDA events (median and spread),
 records ``max_memory_allocated`` from the built model on (the build's own peak apart), tokens/s, and the GPU time of
 the fused kernel and of all kernels per step, and the top host and GPU entries (torch
-profiler over 3 extra steps). OOM is recorded as a result.
+profiler over 3 extra steps). OOM is recorded as a result. Each arm and round is a row of
+the results table (results_table.py); --out also writes every field as JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 import torch
 
 from models import build_model
+from results_table import add_table_option, append_rows
 from timing import profile_steps, step_times, summary
 
 ARMS = ["adamw_foreach", "adamw_fused", "grad_release_fused", "forge_fp32", "forge_bf16", "forge_int8",
@@ -112,7 +116,7 @@ def hf_loss(model, batch):
 def run_cell(model_name, arm, batch, seq, opts):
     """One arm on one (model, batch x seq) cell; ``opts``: the command line's options."""
     # cuBLAS keeps a workspace (32 MiB a handle) for each stream that ran a matmul, counted
-    # as allocated: earlier arms' streams would raise this arm's peak (64-192 MiB, NOTES.md)
+    # as allocated: earlier arms' streams would raise this arm's peak by 64-192 MiB
     if torch.cuda.is_available():
         torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
@@ -201,6 +205,23 @@ def run_cell(model_name, arm, batch, seq, opts):
     return result
 
 
+def table_row(res: dict) -> dict:
+    """The results table's row of one cell: the arm (+ckpt with activation checkpointing),
+    the setup in the note; the peak without what earlier cells left allocated."""
+    options = (("Liger kernels", res["liger"]), ("not its cross-entropy", res.get("liger_ce") is False),
+               ("causal_lm_loss", res["loss"] == "chunked"), ("recompute_swiglu", res.get("recompute_swiglu")))
+    setup = [name for name, on in options if on]
+    note = ", ".join([f"round {res['round']}", *setup] + ([res["status"]] if res["status"] != "ok" else []))
+    if res.get("reason"):
+        note += f": {res['reason'][:200]}"
+    peak = res.get("peak_gib")
+    return dict(model=res["model"], batch=f"{res['batch']}x{res['seq']}",
+                arm=res["arm"] + ("+ckpt" if res["checkpointing"] else ""), step_ms=res.get("step_ms"),
+                spread_ms=res["step_ms_q3"] - res["step_ms_q1"] if "step_ms_q1" in res else None,
+                peak_gib=None if peak is None else peak - res.get("allocated_at_start_gib", 0.0),
+                tool="run_grid", note=note)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama-3.1-8b")
@@ -209,7 +230,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="also write every result's fields as JSON")
+    add_table_option(ap)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in every arm")
     ap.add_argument("--liger", action="store_true", help="Liger's kernels in every arm (models.apply_liger)")
@@ -232,9 +254,11 @@ def main():
                     res.update(round=r, wall_s=time.time() - t0)
                     results.append(res)
                     print(json.dumps(res), flush=True)
-                    with open(opts.out, "w") as f:  # keep what is done if a later cell dies
-                        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                       results=results), f, indent=1)
+                    append_rows([table_row(res)], opts.table)  # kept if a later cell dies
+                    if opts.out:
+                        with open(opts.out, "w") as f:
+                            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                           results=results), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import time
 
 import torch
 
+FUSED_KERNELS = ("fused_update_kernel", "persistent_update_kernel")  # the Triton and Gluon kernels
+
 
 def step_times(step, n: int, cuda: bool = True) -> list[float]:
     """Milliseconds of each of ``n`` calls of ``step``: CUDA events on a GPU (the GPU's
@@ -32,7 +34,7 @@ def summary(times: list[float]) -> dict:
 
 
 def profile_steps(step, steps=3) -> dict:
-    """Per step: GPU time of the fused kernel, GPU time of all kernels (busy time: a step
+    """Per step: GPU time of the fused kernels, GPU time of all kernels (busy time: a step
     much longer than it waits on the host), and the top host and GPU entries."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -46,7 +48,7 @@ def profile_steps(step, steps=3) -> dict:
     top = lambda items, key: [(e.key[:80], round(per_step(key(e)), 3), e.count // steps)
                               for e in sorted(items, key=key, reverse=True)[:12]]
     return dict(
-        fused_kernel_ms=per_step(sum(e.self_device_time_total for e in kernels if "fused_update_kernel" in e.key)),
+        fused_kernel_ms=per_step(sum(e.self_device_time_total for e in kernels if e.key.startswith(FUSED_KERNELS))),
         gpu_busy_ms=per_step(sum(e.self_device_time_total for e in kernels)),
         top_gpu_ms=top(kernels, lambda e: e.self_device_time_total),
         top_host_self_ms=top([e for e in events if e.device_type == torch.autograd.DeviceType.CPU],

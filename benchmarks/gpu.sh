@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The benchmarks and GPU tests on a GPU machine, one sub-command a call, from the repository
+# root; logs, JSON and new results-table rows go to $OUT (default /tmp/forge_gpu_out):
+#
+#   bash benchmarks/gpu.sh tests && bash benchmarks/gpu.sh grid --models llama-3.1-8b --cells 1x512
+#
+#   install         wheels carried in .whl/ into /tmp/site (no index), forge_hf editable; the
+#                   other sub-commands run it first if it has not run on this machine
+#   tests [ARGS]    the pytest suite on one GPU (ARGS replace "tests"), then with two or more
+#                   GPUs the two-GPU data-parallel test; log in $OUT/gpu_pytest.log
+#   grid ARGS       run_grid.py             kernel ARGS   kernel_microbench.py
+#   dp ARGS         dp_bench.py on every visible GPU (torch.distributed.run; NPROC to change)
+#   memory ARGS     capture_memory.py       host ARGS     host_overhead.py
+#   ncu ARGS        Nsight Compute on kernel_microbench.py --ncu ARGS (e.g. gate_proj/up_proj)
+#   report [ARGS]   report.py over the committed table and $OUT's rows, into $OUT
+#
+# Rows go to $OUT/results.csv (a copy of the checkout on another machine does not come back); merge
+# them with `python benchmarks/results_table.py merge <that file>`. Without .git here, set
+# FORGE_COMMIT to the commit measured.
+set -uo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+cd "$(dirname "$SELF")/.."
+ROOT=$PWD
+OUT=${OUT:-/tmp/forge_gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} FORGE_RESULTS_TABLE=${FORGE_RESULTS_TABLE:-$OUT/results.csv}
+INSTALLED=/tmp/site/.forge_hf_installed
+
+install() {
+  mkdir -p /tmp/site
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . && touch $INSTALLED
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+              'transformers', transformers.__version__)"
+}
+
+gpus() { nvidia-smi --query-gpu=name --format=csv,noheader | wc -l; }
+
+# $1: the log under $OUT; the rest: the command (its output also to the terminal)
+logged() { local log=$OUT/$1; shift; echo "\$ $*" >> "$log"; "$@" 2>&1 | tee -a "$log"; return "${PIPESTATUS[0]}"; }
+
+tests() {
+  local rc workers=()
+  python3 -c "import xdist" 2> /dev/null && workers=(-n "${WORKERS:-4}")
+  # the Trainer refuses to run with two GPUs visible: the suite sees one
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+    "${@:-tests}" > "$OUT/gpu_pytest.log" 2>&1
+  rc=$?
+  if [ $# -eq 0 ] && [ "$(gpus)" -ge 2 ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k graphed >> "$OUT/gpu_pytest.log" 2>&1
+    rc=$((rc | $?))
+  fi
+  echo "pytest rc=$rc" >> "$OUT/gpu_pytest.log"
+  grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/gpu_pytest.log" | tail -15
+  return $rc
+}
+
+ncu_kernel() {
+  local report=$OUT/ncu_kernel
+  ncu --clock-control none --kernel-name regex:update_kernel --launch-skip 3 --launch-count 1 --set full \
+    --import-source no -f -o "$report" python3 benchmarks/kernel_microbench.py --ncu "$@" > "$OUT/ncu.log" 2>&1
+  ncu -i "$report.ncu-rep" --page details > "$report.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|L2 Cache Throughput|Issue Slots Busy|Registers Per|Warp Cycles Per Issued" \
+    "$report.txt"
+}
+
+report() {
+  local tables=(--table benchmarks/results/results.csv)
+  [ -f "$FORGE_RESULTS_TABLE" ] && tables+=(--table "$FORGE_RESULTS_TABLE")
+  python3 benchmarks/report.py "${tables[@]}" --md "$OUT/step_time.md" --png "$OUT/step_time.png" "$@" \
+    && cat "$OUT/step_time.md"
+}
+
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { print substr($0, 3) }' "$SELF"; }
+command=${1:-help}
+shift $(($# > 0))
+case $command in
+  grid|kernel|dp|memory|host|ncu|tests) [ -f $INSTALLED ] || logged install.log install || exit $? ;;
+esac
+case $command in
+  install) logged install.log install ;;
+  tests) tests "$@" ;;
+  grid) logged grid.log python3 benchmarks/run_grid.py "$@" ;;
+  kernel) logged kernel.log python3 benchmarks/kernel_microbench.py "$@" ;;
+  dp) logged dp.log python3 -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-$(gpus)}" \
+        benchmarks/dp_bench.py "$@" ;;
+  memory) logged memory.log python3 benchmarks/capture_memory.py "$@" ;;
+  host) logged host.log python3 benchmarks/host_overhead.py "$@" ;;
+  ncu) ncu_kernel "$@" ;;
+  report) report "$@" ;;
+  help|-h|--help) usage ;;
+  *) usage; echo "unknown sub-command: $command" >&2; exit 2 ;;
+esac
