@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from transformers import TrainingArguments
 
 from forge_hf.integrations.trainer import OPTION_TYPES, forge_options
 from forge_hf.train.arguments import ForgeArguments
@@ -123,7 +124,10 @@ def test_missing_recipe_file(tmp_path):
     ({"model_name_or_path": "Qwen/Qwen3-0.6B"}, (), ["model_name_or_path", "model_config", "exactly one"]),
     ({}, ("data_files",), ["dataset_source: local needs data_files"]),
     ({"dataset_source": "hub"}, (), ["data_files", "dataset_source"]),
-    ({"optim": "adamw_torch"}, (), ["forge_backend", "optim='adamw_torch'"]),
+    ({"optim": "adamw_torch"}, (), ["optim='adamw_torch' is not a forge optimizer", "'forge_adamw'"]),
+    ({"dtype": "float16"}, (), ["dtype='float16'", "dtype: bfloat16", "bf16: true"]),
+    ({"forge_min_params": -1}, (), ["forge_min_params=-1", "use 0"]),
+    ({"adam_beta1": 1.5}, (), ["betas=(1.5, 0.999)"]),
     ({"gradient_accumulation_steps": 4}, (), ["gradient_accumulation_steps=4", "per_device_train_batch_size"]),
     ({"eval_rows": 0}, (), ["eval_strategy='steps'", "eval_rows"]),
     ({}, ("max_steps",), ["max_steps=-1"]),
@@ -134,12 +138,119 @@ def test_impossible_combination(tmp_path, changes, drop, fragments):
     raises(write_recipe(tmp_path, drop=drop, **changes), *fragments)
 
 
-def test_duplicate_key_and_non_mapping(tmp_path):
+def test_duplicate_key_non_mapping_and_empty_file(tmp_path):
     path = write_recipe(tmp_path)
     path.write_text(path.read_text() + "max_steps: 3\n")
     raises(path, "'max_steps' appears twice")
     path.write_text("- a list\n")
     raises(path, "mapping")
+    for empty in ("", "# only a comment\n"):
+        path.write_text(empty)
+        message = raises(path, "the file is empty")
+        assert "NoneType" not in message
+
+
+@pytest.mark.parametrize("key,value,fragments", [
+    ("forge_state_precision", "int4", ["'int4'", "'fp32', 'bf16', 'int8', 'al8'"]),
+    ("forge_rounding", "nearst", ["did you mean 'nearest'"]),
+    ("forge_backend", "cuda", ["'auto', 'triton', 'reference'"]),
+    ("forge_data_parallel", "ddp", ["'sharded', 'replicated'"]),
+    ("lr_scheduler_type", "cosinus", ["did you mean 'cosine'"]),
+])
+def test_a_value_outside_its_choices_names_them(tmp_path, key, value, fragments):
+    path = write_recipe(tmp_path, **{key: value})
+    raises(path, f"key '{key}'", *fragments)
+    raises(write_recipe(tmp_path), f"--{key}", *fragments, overrides=[f"--{key}", value])
+
+
+@pytest.mark.parametrize("optim,suggestion", [
+    ("forge_adamm", "forge_adamw"),  # a typo
+    ("adamw_torch_fused", "forge_adamw"),  # a transformers name: the forge twin
+    ("paged_lion_8bit", "forge_lion"),
+    ("sgd", "forge_sgd"),
+])
+def test_an_unknown_optim_gets_the_closest_forge_name(tmp_path, optim, suggestion):
+    in_file = raises(write_recipe(tmp_path, optim=optim), f"optim={optim!r}", f"did you mean {suggestion!r}")
+    on_command_line = raises(write_recipe(tmp_path), f"optim={optim!r}", f"did you mean {suggestion!r}",
+                             overrides=["--optim", optim])
+    for message in (in_file, on_command_line):
+        assert "adamw_torch" not in message.replace(optim, "")  # not transformers' list of names
+        assert "\n" not in message
+
+
+def test_forge_options_in_optim_args_are_checked_too(tmp_path):
+    path = write_recipe(tmp_path, drop=("forge_state_precision",), optim_args="state_precision=int4")
+    raises(path, "optim_args state_precision", "'int4'", "'al8'")
+    path = write_recipe(tmp_path, drop=("forge_state_precision",), optim_args="rounding=up")
+    raises(path, "optim_args rounding", "'up'", "'nearest'")
+
+
+def test_triton_backend_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' CPU stand-in for a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    message = raises(write_recipe(tmp_path, forge_backend="triton"), "forge_backend='triton'", "no CUDA GPU",
+                     "auto", "reference")
+    assert "\n" not in message
+    raises(write_recipe(tmp_path, drop=("forge_backend",), optim_args="backend=triton"), "optim_args backend")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert load_recipe(write_recipe(tmp_path, forge_backend="triton")).forge.forge_backend == "triton"
+
+
+# transformers 5.2x renamed gradient_checkpointing (a deprecated alias now)
+CHECKPOINTING = next(k for k in ("activation_checkpointing", "gradient_checkpointing")
+                     if k in {f.name for f in fields(TrainingArguments)})
+
+
+@pytest.mark.parametrize("changes,reason", [
+    ({"forge_stop_on_nonfinite": True}, "stop_on_nonfinite"),
+    ({CHECKPOINTING: True}, "activation checkpointing"),
+    ({"use_cpu": True}, "not be on a CUDA device"),
+])
+def test_cuda_graph_true_where_no_step_can_be_captured(tmp_path, changes, reason):
+    raises(write_recipe(tmp_path, forge_cuda_graph=True, **changes), "forge_cuda_graph=true", reason, "auto")
+
+
+def test_yaml_booleans_for_true_false_choices(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, forge_cuda_graph=False))
+    assert recipe.forge.forge_cuda_graph == "false" and forge_options(recipe.training).cuda_graph == "false"
+
+
+def _checkpoint(output_dir: Path, step: int) -> Path:
+    path = output_dir / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("given", [["--resume_from_checkpoint", "true"], ["--resume_from_checkpoint", "True"], "yaml"])
+def test_resume_true_finds_the_latest_checkpoint(tmp_path, given):
+    out = tmp_path / "out"
+    for step in (5, 40, 10):  # by step number, not name order or age
+        _checkpoint(out, step)
+    if given == "yaml":
+        recipe = load_recipe(write_recipe(tmp_path, output_dir=str(out), resume_from_checkpoint=True))
+    else:
+        recipe = load_recipe(write_recipe(tmp_path, output_dir=str(out)), given)
+    assert recipe.training.resume_from_checkpoint == str(out / "checkpoint-40")
+
+
+def test_resume_false_and_a_path(tmp_path):
+    out = tmp_path / "out"
+    assert load_recipe(write_recipe(tmp_path, output_dir=str(out), resume_from_checkpoint=False)
+                       ).training.resume_from_checkpoint is None
+    path = str(_checkpoint(out, 7))
+    recipe = load_recipe(write_recipe(tmp_path), ["--resume_from_checkpoint", path])
+    assert recipe.training.resume_from_checkpoint == path
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    path = write_recipe(tmp_path, output_dir=str(out))
+    raises(path, "resume_from_checkpoint: true", str(out), "holds none", overrides=["--resume_from_checkpoint", "true"])
+    (out / "checkpoint-3").mkdir(parents=True)  # an empty directory is no checkpoint
+    for given in (str(out / "checkpoint-3"), "true"):
+        raises(path, "resume_from_checkpoint=", "trainer_state.json", overrides=["--resume_from_checkpoint", given])
+    raises(path, "resume_from_checkpoint=", "does not exist", overrides=["--resume_from_checkpoint", str(out / "nope")])
 
 
 def test_command_line_overrides_win(tmp_path):

@@ -1,5 +1,6 @@
 """The smoke recipe end to end, as a user runs it: `accelerate launch -m forge_hf.train`
-and the `forge-hf train` console script, each in a subprocess."""
+and the `forge-hf train` console script (also resuming), each in a subprocess; what a
+run prints and leaves in output_dir."""
 
 import json
 import os
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_hf.train import cli
@@ -42,7 +45,16 @@ def _check_output_dir(out: Path, steps: int):
     summary = json.loads((out / "forge_summary.json").read_text())
     assert summary["steps"] == steps
     assert summary["tokens"] == steps * 4 * 128  # batch 4 x block 128, every block full
+    assert summary["tokens_per_second"] == pytest.approx(summary["steps_per_second"] * 4 * 128)
     model = AutoModelForCausalLM.from_pretrained(out)
+    # every linear is fused; fp32 weights: 4 bytes of gradient each, AdamW's two fp32 moments
+    # as large as forge's fp32 states, so the saving is the gradients alone
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    assert summary["forge_gradient_bytes_never_allocated"] == 4 * weights
+    assert summary["adamw_state_bytes"] == summary["forge_state_bytes"] == 2 * 4 * weights
+    assert summary["forge_bytes_saved_vs_adamw"] == 4 * weights
+    report = (out / "forge_report.txt").read_text()
+    assert report.startswith("forge patch: 15 modules fused") and "model.layers.1.mlp.down_proj" in report
     tokenizer = AutoTokenizer.from_pretrained(out)
     ids = torch.tensor([tokenizer("What is $12 + 30$?\n\nWe add the two numbers: $12 + 30 = 42$.")["input_ids"]])
     with torch.no_grad():
@@ -60,18 +72,34 @@ def test_smoke_recipe_under_accelerate_launch(tmp_path):
     summary = _check_output_dir(out, steps=60)
     assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
     assert summary["last_eval_loss"] < summary["first_loss"]
+    headline = (out / "forge_report.txt").read_text().partition("\n")[0]
+    assert headline in done.stdout.splitlines()  # printed at the start
+    assert done.stdout.index(headline) < done.stdout.index("forge_hf.train summary")
+    for words in ("steps/s", "tokens/s", "less than AdamW on the fused weights", "loss.png"):
+        assert words in done.stdout, words
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # train and eval curves
     assert (out / "checkpoint-60" / "optimizer.pt").is_file()  # a checkpoint with the fused states
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     assert all(e["forge_nonfinite_tiles"] == 0 for e in history if "loss" in e)
 
 
-def test_smoke_recipe_through_the_console_script(tmp_path):
+def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
     out = tmp_path / "console"
-    _run([_script("forge-hf"), "train", str(SMOKE), "--output_dir", str(out), "--max_steps", "20",
-          "--eval_strategy", "no", "--save_strategy", "no"], tmp_path)
+    command = [_script("forge-hf"), "train", str(SMOKE), "--max_steps", "20", "--eval_strategy", "no",
+               "--save_steps", "10"]
+    _run([*command, "--output_dir", str(out)], tmp_path)
     summary = _check_output_dir(out, steps=20)
     assert summary["last_loss"] < summary["first_loss"], summary
-    assert not list(out.glob("checkpoint-*"))
+
+    # resume a copy that holds only checkpoint-10: `true` must find it and train steps 11-20
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoint-10", resumed / "checkpoint-10")
+    done = _run([*command, "--output_dir", str(resumed), "--resume_from_checkpoint", "true"], tmp_path)
+    assert "10 after resuming from" in done.stdout
+    summary = json.loads((resumed / "forge_summary.json").read_text())
+    assert (summary["resumed_from"], summary["steps_this_run"]) == (str(resumed / "checkpoint-10"), 10)
+    straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(straight[k], again[k]) for k in straight)  # the same run, bit for bit
 
 
 def test_a_bad_recipe_stops_before_training(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The recipe's own argument groups. A recipe is one flat YAML mapping over these fields and
-every ``TrainingArguments`` field (forge_hf.recipe parses it with HfArgumentParser).
+every ``TrainingArguments`` field (forge_hf.train.recipe parses it with HfArgumentParser).
 
 Liger, gradient checkpointing, seeds and the optimizer name are TrainingArguments fields
 already (``use_liger_kernel``, ``gradient_checkpointing``, ``seed``/``data_seed``,
@@ -9,8 +9,11 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..core.state import ROUNDINGS
+from ..core.state import ROUNDINGS, STATE_PRECISIONS
+from ..integrations.cuda_graph import MODES as CUDA_GRAPH_MODES
 from ..kernels.dispatch import BACKENDS
+from ..optim.distributed import MODES
+from ..optim.patch import DEFAULT_MIN_PARAMS
 
 OMI2_COLUMNS = ("problem", "generated_solution", "expected_answer", "problem_source")
 
@@ -30,7 +33,8 @@ class ModelArguments:
                                         "hub id or directory."})
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
         default="float32", metadata={"help": "Weight dtype. bfloat16 = bf16 everywhere (the paper's "
-                                             "setting); float32 + `bf16: true` = autocast mixed precision."})
+                                             "setting); float32 + `bf16: true` = autocast mixed precision. "
+                                             "float16 cannot train with forge (it needs a gradient scaler)."})
     attn_implementation: str | None = field(
         default=None, metadata={"help": "e.g. sdpa, eager, flash_attention_2; default: transformers' choice."})
 
@@ -79,33 +83,40 @@ class DataArguments:
 @dataclass
 class ForgeArguments:
     """ForgeTrainer's options (integrations/trainer.py: OPTION_TYPES), merged into
-    TrainingArguments.optim_args.
-
-    state_precision is checked when the model is patched, not here, so a recipe naming a
-    precision another part of the package adds (e.g. int8) still parses."""
+    TrainingArguments.optim_args. Defaults (None) leave patch_model's and ForgeTrainer's own."""
 
     _argument_group_name = "forge"
 
-    forge_state_precision: str | None = field(
-        default=None, metadata={"help": "Optimizer-state storage: fp32, bf16, int8, ..."})
+    forge_state_precision: Literal[STATE_PRECISIONS] | None = field(  # type: ignore[valid-type]
+        default=None, metadata={"help": "Optimizer-state storage of the fused layers: fp32, bf16, or 8-bit "
+                                        "int8 / al8 (codes with per-block scales); unset: fp32."})
     forge_rounding: Literal[ROUNDINGS] | None = field(  # type: ignore[valid-type]
-        default=None, metadata={"help": "How bf16 weights and states are stored."})
-    forge_backend: Literal[BACKENDS] | None = field(default=None)  # type: ignore[valid-type]
+        default=None, metadata={"help": "How bf16 weights and states are rounded when stored: stochastic "
+                                        "or nearest; unset: stochastic."})
+    forge_backend: Literal[BACKENDS] | None = field(  # type: ignore[valid-type]
+        default=None, metadata={"help": "What runs the fused step: triton (GPU kernels; needs a CUDA GPU), "
+                                        "reference (PyTorch, runs anywhere) or auto (triton where it can "
+                                        "run, else reference); unset: auto."})
     forge_include: list[str] | None = field(
         default=None, metadata={"help": "Fuse only modules matching these names or patterns."})
     forge_exclude: list[str] | None = field(
         default=None, metadata={"help": "Never fuse modules matching these names or patterns."})
     forge_min_params: int | None = field(
-        default=None, metadata={"help": "Weights with fewer entries stay on the ordinary optimizer "
-                                        "(default: patch_model's)."})
+        default=None, metadata={"help": "Weights with fewer entries stay on the ordinary optimizer; 0 fuses "
+                                        f"every eligible linear; unset: {DEFAULT_MIN_PARAMS:,}."})
     forge_stop_on_nonfinite: bool | None = field(
-        default=None, metadata={"help": "Stop training when a tile's gradient is not finite."})
-    forge_data_parallel: str | None = field(
-        default=None, metadata={"help": "Several processes: 'sharded' (each rank keeps the states of "
-                                        "its weight rows; default) or 'replicated'."})
+        default=None, metadata={"help": "Stop training when a tile's gradient is not finite; unset: false."})
+    forge_data_parallel: Literal[MODES] | None = field(  # type: ignore[valid-type]
+        default=None, metadata={"help": "Several processes: sharded (each rank keeps the states of its "
+                                        "weight rows) or replicated; unset: sharded."})
     forge_recompute_swiglu: bool | None = field(
         default=None, metadata={"help": "SwiGLU MLPs keep gate and up only and form their product again "
-                                        "in backward (forge_hf.recompute_swiglu): less activation memory."})
+                                        "in backward (forge_hf.recompute_swiglu): less activation memory; "
+                                        "unset: false."})
+    forge_cuda_graph: Literal[CUDA_GRAPH_MODES] | None = field(  # type: ignore[valid-type]
+        default=None, metadata={"help": "Capture each training step as a CUDA graph and replay it (less host "
+                                        "overhead): auto (where the step can be captured), true (refuse to "
+                                        "train otherwise) or false; unset: auto."})
 
     def options(self) -> dict:
         """The set options, under patch_model's names (state_precision, rounding, ...)."""

@@ -1,14 +1,22 @@
-"""The ``forge-hf`` console script (pyproject.toml: forge-hf = "forge_hf.train.cli:main")."""
+"""The ``forge-hf`` console script (pyproject.toml: forge-hf = "forge_hf.train.cli:main").
+
+Imports nothing heavy until a command runs, so ``forge-hf --help`` answers at once."""
 
 import sys
 
-from . import run as train
-
-COMMANDS = {"train": train.main}
 USAGE = """usage: forge-hf train RECIPE.yaml [--key value ...]
 
   train    train from a YAML recipe, as `python -m forge_hf.train` does
            (`forge-hf train --help` lists every recipe key)"""
+
+
+def _train(argv) -> int:
+    from .run import main  # torch and transformers load here
+
+    return main(argv)
+
+
+COMMANDS = {"train": _train}
 
 
 def main(argv=None) -> int:

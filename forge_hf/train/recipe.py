@@ -9,23 +9,41 @@ recipe path in HfArgumentParser's own syntax and win over the file::
 Relative input paths in the file (model_name_or_path, model_config,
 tokenizer_name_or_path, data_files) are taken relative to the recipe's directory when
 they exist there, so a recipe runs from any working directory; anything else (hub ids,
-output_dir, paths given on the command line) is used as written.
+output_dir, resume_from_checkpoint, paths given on the command line) is used as written.
+
+Everything that can be checked without the model is checked here, so a bad value stops
+with one line (file, key, value, fix) before anything loads or is written.
 """
 
 import argparse
 import difflib
 import enum
 import glob
+import importlib.util
 import os
 import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import torch
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import get_last_checkpoint
 
-from ..integrations.trainer import check_training_arguments, forge_options, rule_name  # registers forge_* optim names
+from ..core.rules import get_rule, make_group
+from ..core.state import check_rounding, check_state_precision
+from ..integrations.trainer import (  # registers the forge_* optim names
+    OPTIMIZER_NAMES,
+    OPTION_TYPES,
+    PREFIX,
+    ForgeOptions,
+    check_training_arguments,
+    forge_options,
+    rule_name,
+)
+from ..kernels.dispatch import check_backend
 from .arguments import DataArguments, ForgeArguments, ModelArguments
 from .data import LOCAL_FORMATS
 
@@ -33,6 +51,14 @@ ARGUMENT_CLASSES = (ModelArguments, DataArguments, ForgeArguments, TrainingArgum
 PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "data_files")
 PATH_NOTE = ("(a relative path is relative to the recipe's directory in the file, to the working "
              "directory on the command line)")
+FLOAT16_FIX = ("fused layers step fp32 or bf16 weights, and float16 training needs a gradient scaler, which "
+               "a fused step cannot use: use dtype: bfloat16, or dtype: float32 with bf16: true (autocast)")
+OPTIM_ARGS_HELP = (
+    "Comma-separated key=value options of the optimizer. For optim: forge_<rule>, the rule's own "
+    "hyperparameters (e.g. momentum=0.9 for forge_sgd; lr, weight_decay, betas and eps come from "
+    "learning_rate, weight_decay, adam_beta1/adam_beta2 and adam_epsilon) and the forge options "
+    f"{', '.join(OPTION_TYPES)} (lists '|'-joined), which the forge_* keys set one by one."
+)
 
 
 class RecipeError(ValueError):
@@ -49,14 +75,17 @@ class Recipe:
 
 
 def recipe_parser() -> HfArgumentParser:
-    return HfArgumentParser(ARGUMENT_CLASSES, usage="python -m forge_hf.train RECIPE.yaml [--key value ...]",
-                            allow_abbrev=False, exit_on_error=False)
+    parser = HfArgumentParser(ARGUMENT_CLASSES, usage="python -m forge_hf.train RECIPE.yaml [--key value ...]",
+                              allow_abbrev=False, exit_on_error=False)
+    next(a for a in parser._actions if a.dest == "optim_args").help = OPTIM_ARGS_HELP
+    return parser
 
 
 def load_recipe(path, overrides=()) -> Recipe:
     """Parse ``path`` and the command-line ``overrides`` (``["--key", "value", ...]``)."""
     path = Path(path)
     values = _resolve_paths(_check_values(read_yaml(path), path), path.parent)
+    _check_override_choices(list(overrides), path)
     parser = recipe_parser()
     parser.set_defaults(**values)
     try:
@@ -96,6 +125,9 @@ def read_yaml(path: Path) -> dict:
         values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if values is None:
+        raise RecipeError(f"{path}: the file is empty (no `key: value` lines): write the recipe's keys, "
+                          "e.g. starting from recipes/smoke.yaml")
     if not isinstance(values, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of `key: value` lines, got {type(values).__name__}")
     return values
@@ -115,16 +147,66 @@ def _check_values(values: dict, path: Path) -> dict:
     checked = {}
     for key, value in values.items():
         if key not in hints:
-            close = difflib.get_close_matches(str(key), hints, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            close = closest(str(key), hints)
+            hint = f"did you mean {close!r}? " if close else ""
             raise RecipeError(f"{path}: unknown key {key!r}: {hint}keys are the fields listed by "
                               "`python -m forge_hf.train --help`")
+        if key == "resume_from_checkpoint" and isinstance(value, bool):
+            value = "true" if value else None  # YAML's `true`: Hugging Face's "the latest checkpoint"
         ok, converted = _matches(value, hints[key])
         if not ok:
-            raise RecipeError(f"{path}: key {key!r} expects {_describe(hints[key])}, got {value!r} "
-                              f"({type(value).__name__}): fix the value in the file")
+            raise RecipeError(f"{path}: {_wrong_value(key, value, hints[key], 'in the file')}")
         checked[key] = converted
     return checked
+
+
+def _check_override_choices(overrides: list[str], path: Path) -> None:
+    """A command-line value outside its key's choices (optim, lr_scheduler_type,
+    forge_backend, ...), reported as in the file rather than with argparse's list of all."""
+    hints = _field_types()
+    for i, token in enumerate(overrides):
+        key, eq, value = token.removeprefix("--").partition("=")
+        key = key.replace("-", "_")  # HfArgumentParser also takes --lr-scheduler-type
+        if not token.startswith("--") or key not in hints or _choices(hints[key]) is None:
+            continue
+        if not eq:
+            if i + 1 == len(overrides) or overrides[i + 1].startswith("--"):
+                continue  # argparse reports the missing value
+            value = overrides[i + 1]
+        if not _matches(value, hints[key])[0]:
+            raise RecipeError(f"{path}: command-line override --{key}: "
+                              f"{_wrong_value(key, value, hints[key], 'on the command line')}")
+
+
+def _wrong_value(key: str, value, hint, where: str) -> str:
+    if key == "optim":
+        return not_a_forge_optimizer(value)
+    close = closest(str(value), _choices(hint) or [])
+    suggestion = f"did you mean {close!r}? " if close else ""
+    return (f"key {key!r} expects {_describe(hint)}, got {value!r} ({type(value).__name__}): "
+            f"{suggestion}fix the value {where}")
+
+
+def not_a_forge_optimizer(optim) -> str:
+    """The refusal of a non-forge optim (forge-hf trains with ForgeTrainer), with the
+    closest forge name."""
+    name = _name(optim)
+    bare = name.removeprefix(PREFIX).lower()
+    rules = [n.removeprefix(PREFIX) for n in OPTIMIZER_NAMES]
+    # transformers' names contain the rule they implement (adamw_torch_fused, paged_lion_8bit)
+    close = max((r for r in rules if r in bare), key=len, default=None) or closest(bare, rules)
+    suggestion = f"did you mean {PREFIX + close!r}? " if close else ""
+    return f"optim={name!r} is not a forge optimizer: {suggestion}forge-hf trains with {', '.join(OPTIMIZER_NAMES)}"
+
+
+def closest(word: str, choices) -> str | None:
+    """The choice most like ``word`` (difflib's ratio, at least 0.6), ties going to the
+    longer common prefix: 'adamm' is closer to 'adamw' than to 'radam'."""
+    def likeness(choice):
+        return difflib.SequenceMatcher(None, word, choice).ratio(), len(os.path.commonprefix([word, choice]))
+
+    best = max(choices, key=likeness, default=None)
+    return best if best is not None and likeness(best)[0] >= 0.6 else None
 
 
 def _matches(value, hint):
@@ -141,6 +223,8 @@ def _matches(value, hint):
                 return True, converted
         return False, value
     if origin is typing.Literal:
+        if isinstance(value, bool) and str(value).lower() in args:  # YAML's true for the choice 'true'
+            return True, str(value).lower()
         return value in args, value
     if _is_enum(hint):
         return (isinstance(value, hint) or (isinstance(value, str) and _enum_accepts(hint, value))), value
@@ -169,6 +253,19 @@ def _matches(value, hint):
     if isinstance(hint, type):
         return isinstance(value, hint), value
     return True, value  # a typing form we do not check; the dataclass validates it
+
+
+def _choices(hint) -> list[str] | None:
+    """The values a Literal or Enum key (or a union with one) accepts; None for other keys."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        found = [c for c in map(_choices, args) if c is not None]
+        return [c for cs in found for c in cs] if found else None
+    if origin is typing.Literal:
+        return [str(a) for a in args]
+    if _is_enum(hint):
+        return [str(m.value) for m in hint]
+    return None
 
 
 def _is_enum(hint) -> bool:
@@ -236,6 +333,8 @@ def check_recipe(recipe: Recipe) -> None:
     if m.model_config and m.model_config.endswith(".json") and not m.tokenizer_name_or_path:
         fail(f"model_config={m.model_config!r} is a config file, which holds no tokenizer: set "
              "tokenizer_name_or_path")
+    if m.dtype == "float16":
+        fail(f"dtype='float16' cannot train with forge optimizers: {FLOAT16_FIX}")
 
     if d.dataset_source == "local":
         if not d.data_files:
@@ -251,19 +350,96 @@ def check_recipe(recipe: Recipe) -> None:
     if t.eval_strategy != "no" and d.eval_rows == 0:
         fail(f"eval_strategy={_name(t.eval_strategy)!r} needs a held-out slice: set eval_rows > 0, "
              "or eval_strategy: 'no'")
+    t.resume_from_checkpoint = _checkpoint_to_resume(t.resume_from_checkpoint, t.output_dir, fail)
 
-    options = f.options()
     if rule_name(t.optim) is None:
-        if options:
-            fail(f"{sorted('forge_' + k for k in options)} set, but optim={_name(t.optim)!r} is not a forge "
-                 "optimizer: use optim: forge_adamw (or another forge_* name), or remove them")
-        return
-    t.optim_args = merge_optim_args(t.optim_args, options, fail)
+        fail(not_a_forge_optimizer(t.optim))
+    t.optim_args = merge_optim_args(t.optim_args, f.options(), fail)
     try:  # ForgeTrainer's own refusals, reported now rather than after the model loads
-        forge_options(t)
+        options = forge_options(t)
         check_training_arguments(t)
     except ValueError as e:
         fail(str(e))
+    _check_forge_options(options, f, t, fail)
+
+
+def _check_forge_options(o: ForgeOptions, forge: ForgeArguments, t: TrainingArguments, fail) -> None:
+    """What patch_model and the fused step would refuse once the model is loaded. The
+    forge_* keys' choices are checked as they are parsed; this covers optim_args too."""
+
+    def key(name: str) -> str:  # the recipe key that set the option
+        return f"forge_{name}" if getattr(forge, f"forge_{name}") is not None else f"optim_args {name}"
+
+    for name, check in (("state_precision", check_state_precision), ("rounding", check_rounding),
+                        ("backend", check_backend)):
+        if name in o.patch:
+            try:
+                check(o.patch[name])
+            except ValueError as e:
+                fail(f"{key(name)}: {e}")
+    if o.patch.get("min_params", 0) < 0:
+        fail(f"{key('min_params')}={o.patch['min_params']} is not a count: use 0 (fuse every eligible "
+             "linear) or more")
+    for name in ("include", "exclude"):
+        if "" in o.patch.get(name, []):
+            fail(f"{key(name)}={o.patch[name]} holds an empty pattern: give module names or globs such "
+                 "as q_proj or layers.0")
+    try:
+        make_group(get_rule(o.rule), o.hyperparameters)
+    except (TypeError, ValueError) as e:
+        fail(str(e))
+    missing = _triton_missing(t) if o.patch.get("backend") == "triton" else None
+    if missing:
+        fail(f"{key('backend')}='triton' needs Triton and a CUDA GPU, but {missing}: use auto (Triton "
+             "where it can run, else the reference backend) or reference")
+    if o.cuda_graph == "true":
+        uncapturable = _uncapturable(o, t)
+        if uncapturable:
+            fail(f"{key('cuda_graph')}=true refuses to train without a CUDA graph, and {uncapturable}: use auto "
+                 "(captures where it can) or false")
+
+
+def _triton_missing(t: TrainingArguments) -> str | None:
+    """Why the Triton kernels cannot run this recipe's fused steps, or None."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # Triton's interpreter runs the kernels on CPU tensors (the tests' setting)
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA GPU"
+    if t.use_cpu:
+        return "use_cpu: true keeps the model on the CPU"
+    return None
+
+
+def _uncapturable(o: ForgeOptions, t: TrainingArguments) -> str | None:
+    """What of the recipe keeps any step from being captured (integrations/cuda_graph.py)."""
+    if t.gradient_checkpointing:  # transformers 5.2x mirrors activation_checkpointing here
+        return "activation checkpointing recomputes the forward inside backward, which a capture cannot hold"
+    if o.stop_on_nonfinite:
+        return "stop_on_nonfinite reads a count on the host inside every step"
+    if not torch.cuda.is_available() or t.use_cpu:
+        return "the model will not be on a CUDA device"
+    return None
+
+
+def _checkpoint_to_resume(value: str | None, output_dir: str, fail) -> str | None:
+    """resume_from_checkpoint as a checkpoint directory: true means the latest checkpoint-N
+    in output_dir (Hugging Face's convention), false none."""
+    if value is None or value.lower() == "false":
+        return None
+    if value.lower() == "true":
+        value = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if value is None:
+            fail(f"resume_from_checkpoint: true resumes from the latest checkpoint-N in output_dir, and "
+                 f"{output_dir!r} holds none: give the checkpoint's path, or the output_dir it was saved in")
+    if not os.path.isdir(value):
+        fail(f"resume_from_checkpoint={value!r} does not exist: give a checkpoint-N directory, or true for "
+             "the latest one in output_dir")
+    if not os.path.isfile(os.path.join(value, TRAINER_STATE_NAME)):
+        fail(f"resume_from_checkpoint={value!r} is not a Trainer checkpoint (it has no {TRAINER_STATE_NAME}): "
+             "give a checkpoint-N directory, or true for the latest one in output_dir")
+    return value
 
 
 def _name(value) -> str:
