@@ -3,7 +3,9 @@
 reducer "ddp": DDP averages the non-fused gradients, as users train eagerly. reducer
 "average": what a graphed step (GraphedStep) runs, without the capture: rank 0's weights
 broadcast, the non-fused gradients averaged by forge, and after the first step the token
-counts frozen (no count exchange). reducer "graphed": GraphedStep itself, nccl on two GPUs."""
+counts frozen (no count exchange). reducer "graphed": GraphedStep itself, nccl on two GPUs.
+reducer "plain_ddp": DDP without enable_data_parallel, without and with find_unused_parameters,
+which must stop."""
 
 import contextlib
 import os
@@ -78,12 +80,38 @@ def train_graphed(model, world, rank, local_batch, steps):
     return model, opt
 
 
+def stop_without_data_parallel(world, rank, local_batch, steps, find_unused):
+    """DDP over a patched model without enable_data_parallel: the step and message it stops
+    with, and whether every weight was still as it started."""
+    model = tiny_llama()
+    forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0, lr=1e-3)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    runner = DistributedDataParallel(model, find_unused_parameters=find_unused)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-3)
+    for step in range(steps):
+        ids = global_batch(step, world * local_batch)[rank * local_batch:(rank + 1) * local_batch]
+        try:
+            runner(input_ids=ids, labels=ids).loss.backward()
+        except RuntimeError as error:
+            unchanged = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+            return dict(stopped_at=step, error=str(error), unchanged=unchanged)
+        opt.step()
+        opt.zero_grad()
+    return dict(stopped_at=None, error=None, unchanged=False)
+
+
 def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
     if reducer == "graphed":
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     else:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if reducer == "plain_ddp":  # both settings in one launch: a launch costs more than the runs
+        result = {find_unused: stop_without_data_parallel(world, rank, local_batch, steps, find_unused)
+                  for find_unused in (False, True)}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+        return
     model, opt = train(world, rank, local_batch, steps, mode, reducer=reducer,
                        device="cuda" if reducer == "graphed" else "cpu")
     fused = forge_hf.optim.optimizer.fused_layers(model)

@@ -114,6 +114,46 @@ def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, 
                 assert (a.float() - b.float()).abs().max() <= 1e-3 * b.float().abs().max() + 1e-12, name
 
 
+def test_ddp_without_forge_data_parallelism_stops_at_the_first_backward(tmp_path):
+    """Without enable_data_parallel each rank would step its fused weights from its own batch
+    (DDP has no fused gradient to reduce; find_unused_parameters=True only silences DDP's own
+    error at the second step) and the replicas would drift apart: stop before any weight moves,
+    with find_unused_parameters False and True."""
+    for rank in _launch(2, "none", tmp_path, "plain_ddp"):
+        assert sorted(rank) == [False, True]
+        for find_unused, run in rank.items():
+            assert run["stopped_at"] == 0, (find_unused, run["error"])
+            assert "forge_hf.distributed.enable_data_parallel(model)" in run["error"]
+            assert "ForgeTrainer" in run["error"] and "accelerate launch" in run["error"]
+            assert run["unchanged"], find_unused
+
+
+def test_the_one_process_check_runs_once_per_layer_and_not_in_a_copy(monkeypatch):
+    """The check sits on the backward path: one look at the process group per layer. A copy
+    (deepcopy, pickling into a worker process) looks again."""
+    import copy
+
+    from forge_hf import ForgeLinear
+    from forge_hf.nn import linear
+
+    looks = []
+    monkeypatch.setattr(linear.dist, "is_initialized", lambda: looks.append(1) or False)
+    layer = ForgeLinear.from_linear(torch.nn.Linear(8, 4), backend="reference")
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        layer(x).sum().backward()
+    assert len(looks) == 1
+    monkeypatch.setattr(linear.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(linear.dist, "get_world_size", lambda group=None: 2)
+    layer(x).sum().backward()  # the verdict stays
+    twin = copy.deepcopy(layer)
+    before = twin.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"group of 2 ranks without forge data parallelism.*"
+                                           r"enable_data_parallel\(model\)"):
+        twin(x).sum().backward()
+    assert torch.equal(twin.weight, before)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nccl)")
 def test_graphed_data_parallel_training_follows_one_process(tmp_path):

@@ -55,8 +55,13 @@ class ForgeState:
         self.rule = rule
         self.precision = check_state_precision(precision)
         self.transposed = transposed
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to no state, as before the first step. ``transposed`` stays: it says what the
+        tensor is (a fused layer's weight or not), which decides how a checkpoint loads into it."""
         self.slots: list = [None, None, None]
-        self.host: dict = rule.host_init()
+        self.host: dict = self.rule.host_init()
         self.allocated = False
 
     @property
@@ -84,7 +89,7 @@ class ForgeState:
 
     def allocate(self, param: torch.Tensor, group: dict, transposed: bool | None = None) -> None:
         """Create the slots this rule needs for ``group``, in the parameter's layout. A fused
-        layer passes ``transposed`` (a state reset by ForgeState.__init__ learns it again)."""
+        layer passes ``transposed``."""
         if transposed is not None:
             self.transposed = transposed
         if self.allocated:
