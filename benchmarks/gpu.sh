@@ -9,6 +9,7 @@
 #   tests [ARGS]    the pytest suite on one GPU (ARGS replace "tests"), then with two or more
 #                   GPUs the two-GPU data-parallel test; log in $OUT/gpu_pytest.log
 #   grid ARGS       run_grid.py             kernel ARGS   kernel_microbench.py
+#   trainer ARGS    trainer_bench.py: the Trainer API's arms side by side
 #   dp ARGS         dp_bench.py on every visible GPU (torch.distributed.run; NPROC to change)
 #   memory ARGS     capture_memory.py       host ARGS     host_overhead.py
 #   ncu ARGS        Nsight Compute on kernel_microbench.py --ncu ARGS (e.g. gate_proj/up_proj)
@@ -79,12 +80,13 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { print substr($0, 3) }' "$SELF";
 command=${1:-help}
 shift $(($# > 0))
 case $command in
-  grid|kernel|dp|memory|host|ncu|tests) [ -f $INSTALLED ] || logged install.log install || exit $? ;;
+  grid|trainer|kernel|dp|memory|host|ncu|tests) [ -f $INSTALLED ] || logged install.log install || exit $? ;;
 esac
 case $command in
   install) logged install.log install ;;
   tests) tests "$@" ;;
   grid) logged grid.log python3 benchmarks/run_grid.py "$@" ;;
+  trainer) logged trainer.log python3 benchmarks/trainer_bench.py "$@" ;;
   kernel) logged kernel.log python3 benchmarks/kernel_microbench.py "$@" ;;
   dp) logged dp.log python3 -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-$(gpus)}" \
         benchmarks/dp_bench.py "$@" ;;

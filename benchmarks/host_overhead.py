@@ -74,6 +74,51 @@ def launch_costs() -> dict:
     return costs
 
 
+def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
+    """Host microseconds per fused layer and step, on a real model's layers in eager training:
+    its forward (ForgeLinear.forward) and the Python of its backward (nn/linear.fused_backward:
+    dX, db, the checks, the launch arguments and the fused kernel's launch), timed around those
+    calls with the GPU queue never full (the model is small enough that the host leads)."""
+    from forge_hf.nn import linear
+
+    model = build_model(model_name)
+    forge_hf.patch_model(model, optimizer="adamw", state_precision=state, lr=1e-5, weight_decay=0.01)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-5, weight_decay=0.01)
+    ids = torch.randint(0, model.config.vocab_size, (4, 512), device="cuda")
+    spent = {"forward": 0.0, "backward": 0.0}
+    calls = {"forward": 0, "backward": 0}
+
+    def timed(kind, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            spent[kind] += time.perf_counter() - t
+            calls[kind] += 1
+            return out
+        return wrapper
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    forward, backward = linear.ForgeLinear.forward, linear.fused_backward
+    linear.ForgeLinear.forward, linear.fused_backward = timed("forward", forward), timed("backward", backward)
+    try:
+        for _ in range(steps):
+            step()
+            torch.cuda.synchronize()
+    finally:
+        linear.ForgeLinear.forward, linear.fused_backward = forward, backward
+    us = {k: spent[k] / max(calls[k], 1) * 1e6 for k in spent}
+    print(f"{model_name} ({state} state): host us per fused layer and step: forward {us['forward']:.1f}, "
+          f"backward {us['backward']:.1f}, total {us['forward'] + us['backward']:.1f}")
+    return us
+
+
 def profile_training(model_name, steps) -> float:
     """Wall ms of an eager forge step (bf16 state, 1 x 512), then a cProfile of ``steps`` more."""
     model = build_model(model_name)
@@ -112,11 +157,16 @@ def main():
     add_table_option(ap)
     opts = ap.parse_args()
     costs = launch_costs()
+    layer_us = per_layer_host_us(opts.model, opts.steps)
     wall_ms = profile_training(opts.model, opts.steps)
     rows = [dict(model="64x64 layer", batch="1x16", arm=f"host_{name}", step_ms=us / 1e3, tool="host_overhead",
                  note="host time per call") for name, us in costs.items()]
     rows.append(dict(model=opts.model, batch="1x512", arm="forge_bf16", step_ms=wall_ms, tool="host_overhead",
                      note="eager step, wall clock, model's own loss"))
+    rows.append(dict(model=opts.model, batch="4x512", arm="host_per_fused_layer", tool="host_overhead",
+                     step_ms=(layer_us["forward"] + layer_us["backward"]) / 1e3,
+                     note=f"host time per fused layer and step (ms): forward {layer_us['forward'] / 1e3:.4f} + "
+                          f"backward {layer_us['backward'] / 1e3:.4f}"))
     append_rows(rows, opts.table)
 
 

@@ -2,16 +2,18 @@
 
 Every stepped tensor's launch reads a small int32 tensor: the rule's fp32 constants (as
 bit patterns), the step count, the layer's rounding salt and its first row. Eagerly each
-launch gets its own (``pack_args``). A captured step cannot run Python at replay, so while
-it is captured ``next_launch_args`` hands out rows of one device table instead and records who
-owns each row; before every replay ``ArgsTable.refresh`` runs the rules' host work in the
-captured order (the step counts advance exactly as in the eager step) and copies the
-whole table to the GPU at once.
+stepped tensor has one device row on a CUDA device, refilled by one asynchronous copy from
+a pinned host row (``ArgsRow``), elsewhere a fresh tensor (``pack_args``). A captured step
+cannot run Python at replay, so while it is captured ``next_launch_args`` hands out rows of
+one device table instead and records who owns each row; before every replay
+``ArgsTable.refresh`` runs the rules' host work in the captured order (the step counts
+advance exactly as in the eager step) and copies the whole table to the GPU at once.
 """
 
 from __future__ import annotations
 
 import struct
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -45,6 +47,31 @@ def pack_args(scalars: list[float], step: int, salt: int, device, row0: int = 0)
     return torch.tensor(args_words(scalars, step, salt, row0), dtype=torch.int32).to(device, non_blocking=True)
 
 
+class ArgsRow:
+    """One stepped tensor's arguments on a CUDA device, refilled for every launch: the
+    words go into one of two pinned host rows, which one asynchronous copy moves to the
+    device row. Launches of one stream read the device row in order, so one suffices; an
+    event per host row keeps it from being overwritten before its copy has left."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host = torch.zeros(2, ROW_STRIDE, dtype=torch.int32, pin_memory=True)
+        self._words = self._host.numpy()
+        self._device = torch.zeros(ROW_STRIDE, dtype=torch.int32, device=device)
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self._next = 0
+        self.row = self._device[:ARGS_LEN]
+
+    def write(self, words: list[int]) -> torch.Tensor:
+        i, self._next = self._next, 1 - self._next
+        self._copied[i].synchronize()  # the copy out of this host row, two launches ago, has left
+        self._words[i, :ARGS_LEN] = words
+        self._device.copy_(self._host[i], non_blocking=True)
+        self._copied[i].record()
+        return self.row
+
+
+_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ForgeState -> its ArgsRow
 _recording: ArgsTable | None = None
 
 
@@ -53,8 +80,19 @@ def next_launch_args(rule, group: dict, state, salt: int, device, row0: int = 0)
     step is captured, a row of the capture's table (filled at each replay)."""
     if _recording is not None:
         return _recording.add(rule, group, state, salt, row0)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return pack_args(rule.prepare(group, state.host), state.step, salt, device, row0)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "a fused step is being captured into a CUDA graph outside forge_hf's own capture: each replay "
+            "would reuse this step's learning rate and step count. Capture with forge_hf.GraphedStep (or "
+            "ForgeTrainer's optim_args cuda_graph=true), which refreshes them before every replay")
     scalars = rule.prepare(group, state.host)
-    return pack_args(scalars, state.step, salt, device, row0)
+    row = _rows.get(state)
+    if row is None or row.device != device:
+        row = _rows[state] = ArgsRow(device)
+    return row.write(args_words(scalars, state.step, salt, row0))
 
 
 class ArgsTable:

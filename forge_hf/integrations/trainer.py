@@ -14,12 +14,17 @@ from dataclasses import dataclass, field
 
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
+from transformers.utils import logging
 
 from ..core.rules import RULES, Rule
 from ..nn.swiglu import recompute_swiglu
 from ..optim.distributed import MODES, enable_data_parallel
 from ..optim.optimizer import ForgeOptimizer, fused_layers
-from ..optim.patch import patch_model
+from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, PatchReport, patch_model
+from .cuda_graph import TrainerGraph
+from .cuda_graph import check_mode as check_cuda_graph_mode
+
+logger = logging.get_logger(__name__)
 
 PREFIX = "forge_"
 OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_nadam, ...
@@ -27,7 +32,8 @@ OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_n
 # optim_args keys that configure patch_model / ForgeOptimizer rather than the rule, and
 # how their text is read; patch_model's defaults apply to those not given.
 OPTION_TYPES = dict(state_precision=str, rounding=str, backend=str, include=list, exclude=list,
-                    min_params=int, stop_on_nonfinite=bool, data_parallel=str, recompute_swiglu=bool)
+                    min_params=int, stop_on_nonfinite=bool, data_parallel=str, recompute_swiglu=bool,
+                    cuda_graph=str)
 
 
 def rule_name(optim) -> str | None:
@@ -94,6 +100,7 @@ class ForgeOptions:
     stop_on_nonfinite: bool = False
     data_parallel: str = "sharded"  # several processes: forge_hf.distributed's mode
     recompute_swiglu: bool = False  # forge_hf.recompute_swiglu after patching
+    cuda_graph: str = "auto"  # integrations/cuda_graph.py: capture and replay each step
 
 
 def _convert(key: str, text: str, kind: type):
@@ -153,7 +160,8 @@ def forge_options(args) -> ForgeOptions:
     if mode not in MODES:
         raise ValueError(f"optim_args data_parallel={mode!r} is not a mode: use one of {list(MODES)}")
     recompute = options.pop("recompute_swiglu", False)
-    return ForgeOptions(name, hyperparameters, options, stop, mode, recompute)
+    graph = check_cuda_graph_mode(options.pop("cuda_graph", "auto"))
+    return ForgeOptions(name, hyperparameters, options, stop, mode, recompute, graph)
 
 
 # ------------------------------------------------------------------ guards
@@ -219,8 +227,11 @@ class ForgeTrainerMixin:
 
     Patches the model when the optimizer is created (after Liger), creates a
     ForgeOptimizer, logs ``grad_norm`` (from the kernels' squared sums plus the ordinary
-    gradients) and ``forge_nonfinite_tiles``. Gradients are never clipped: a fused weight
-    is stepped before the whole gradient's norm is known."""
+    gradients), ``forge_nonfinite_tiles`` and ``forge_fallback_layers`` (fused layers that
+    switched to the ordinary optimizer at run time: each is also logged once, with its
+    reason, and moved to ``forge_report.fell_back``). Gradients are never clipped: a fused
+    weight is stepped before the whole gradient's norm is known. Under TRL's trainers the
+    output head stays on the ordinary path (optim/patch.py's TRL_LM_HEAD)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -234,6 +245,7 @@ class ForgeTrainerMixin:
         if self.optimizer is None or rule_name(self.args.optim) is not None:
             self.forge_options = forge_options(self.args)
         self.forge_report = None
+        self.forge_graph = TrainerGraph(self.forge_options.cuda_graph if self.forge_options else "auto")
         check_training_arguments(self.args, self.accelerator)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             warnings.warn(
@@ -250,42 +262,79 @@ class ForgeTrainerMixin:
         return unwrap_forge_optimizer(self.optimizer)
 
     def create_optimizer(self, model=None):
+        model = self.model if model is None else model
         if self.optimizer is None:
-            model = self.model if model is None else model
             o = self.forge_options
             if not fused_layers(model):  # a model the user patched keeps their choices
                 self.forge_report = patch_model(model, optimizer=o.rule, seed=self.args.seed,
                                                 **o.patch, **o.hyperparameters)
                 if not self.forge_report.fused:
-                    raise ValueError(
-                        f"optim='{PREFIX}{o.rule}' fused no module of {type(model).__name__} (the warning "
-                        "above gives each module's reason): add min_params=0 to optim_args to fuse small "
-                        "layers, widen include/exclude, or use an ordinary optim such as adamw_torch"
-                    )
+                    raise ValueError(nothing_fused_message(f"{PREFIX}{o.rule}", model, self.forge_report))
                 if o.recompute_swiglu:
                     recompute_swiglu(model)
-            if self.args.world_size > 1:  # before accelerate wraps the model in DDP
-                enable_data_parallel(model, mode=o.data_parallel)
             decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
             self.optimizer = ForgeOptimizer(model, decay_parameter_names=decay,
                                             stop_on_nonfinite=o.stop_on_nonfinite, **o.hyperparameters)
+        fused = fused_layers(model).values()
+        if self.args.world_size > 1 and not any(m.forge_dp for m in fused):
+            # before accelerate wraps the model in DDP; a ForgeOptimizer the caller made needs it too
+            enable_data_parallel(model, mode=self.forge_options.data_parallel if self.forge_options else "sharded")
         return self.optimizer
 
-    def training_step(self, *args, **kwargs):
+    def training_step(self, model, inputs, num_items_in_batch=None):
         # The fused layers read the lr when their backward runs: make sure they read the
         # group the scheduler has just set, even if something replaced the group dicts.
         optimizer = self.forge_optimizer
         if optimizer is not None:
             optimizer.link_layers()
-        return super().training_step(*args, **kwargs)
+        loss = self.forge_graph.run(self, model, inputs, num_items_in_batch)
+        if loss is not None:
+            return loss
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict, *args, **kwargs):
         optimizer = self.forge_optimizer
-        if optimizer is not None and "loss" in logs:  # a training-step log
-            if optimizer.last_grad_norm is not None:
-                logs["grad_norm"] = optimizer.last_grad_norm.item()
-            logs["forge_nonfinite_tiles"] = optimizer.pop_nonfinite_tiles()
+        if optimizer is not None:
+            fell_back = self.forge_note_fallbacks()
+            if "loss" in logs:  # a training-step log
+                if optimizer.last_grad_norm is not None:
+                    logs["grad_norm"] = optimizer.last_grad_norm.item()
+                logs["forge_nonfinite_tiles"] = optimizer.pop_nonfinite_tiles()
+                logs["forge_fallback_layers"] = fell_back
         return super().log(logs, *args, **kwargs)
+
+    def forge_note_fallbacks(self) -> int:
+        """Bring ``forge_report`` up to date with the fused layers that switched to the
+        ordinary optimizer (nn/linear.py's forge_fall_back), log each one once, and return
+        how many there are."""
+        fell_back = {n: m for n, m in fused_layers(self.model).items() if not m.forge_enabled}
+        if self.forge_report is not None:
+            self.forge_report.update_fallbacks(self.model)
+        announced = self.__dict__.setdefault("_forge_announced_fallbacks", set())
+        for name in sorted(fell_back.keys() - announced):
+            summary = f"; {self.forge_report.summary()}" if self.forge_report is not None else ""
+            reason = getattr(fell_back[name], "forge_fallback_reason", "fusion was switched off")
+            logger.warning(f"forge: {name} fell back to the ordinary optimizer: {reason}{summary}")
+            announced.add(name)
+        return len(fell_back)
+
+
+def nothing_fused_message(optim: str, model, report: PatchReport) -> str:
+    """ForgeTrainer's one-line error when patch_model fused nothing: the case and its fix."""
+    reasons = {s.reason for s in report.skipped}
+    name = type(model).__name__
+    if ADAPTER in reasons:
+        adapters = sum(s.reason == ADAPTER for s in report.skipped)
+        return (f"optim='{optim}' has nothing to fuse in {name}: its trainable linears are {adapters} PEFT "
+                "adapters, which forge leaves to the ordinary optimizer (fused, they save no peak memory and "
+                "step slower): train them with an ordinary optim such as adamw_torch_fused, or add "
+                "min_params=0 to optim_args to fuse them anyway")
+    if BELOW_MIN_PARAMS in reasons:
+        return (f"optim='{optim}' fused no module of {name}: its trainable linears are below min_params "
+                "(patch_model's warning above counts them): add min_params=0 to optim_args to fuse them, "
+                "or use an ordinary optim such as adamw_torch")
+    return (f"optim='{optim}' fused no module of {name} (patch_model's warning above counts the reasons): "
+            "widen include/exclude, or use an ordinary optim such as adamw_torch")
 
 
 class ForgeTrainer(ForgeTrainerMixin, Trainer):

@@ -25,8 +25,10 @@ def _specialisation(positional: list) -> tuple:
     return tuple(spec(a) for a in positional)
 
 
-def launch_compiled(kernel, grid: tuple, positional: list, constexprs: dict, options: dict) -> None:
-    """kernel[grid](*positional, **constexprs, **options), compiled once per specialisation."""
+def launch_compiled(kernel, grid: tuple, positional: list, constexprs: dict, options: dict):
+    """kernel[grid](*positional, **constexprs, **options), compiled once per specialisation.
+    Returns a function that launches the same compiled kernel again, ``again(grid,
+    positional)``, for arguments Triton would specialise the same way."""
     device = next(a.device if isinstance(a, torch.Tensor) else a.base.device
                   for a in positional if isinstance(a, torch.Tensor) or hasattr(a, "block_shape"))
     # one device per launch (a compiled kernel is loaded on one)
@@ -39,7 +41,8 @@ def launch_compiled(kernel, grid: tuple, positional: list, constexprs: dict, opt
             "dtypes before capturing (GraphedStep's warmup_steps)")
     if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
         names = [p.name for p in kernel.params if p.is_constexpr]  # in the kernel's parameter order
-        _COMPILED[key] = kernel[grid](*positional, **constexprs, **options), names
-        return
-    compiled, names = compiled
-    compiled[(*grid, 1, 1)[:3]](*positional, *(constexprs[name] for name in names))
+        compiled = _COMPILED[key] = kernel[grid](*positional, **constexprs, **options), names
+    else:
+        compiled[0][(*grid, 1, 1)[:3]](*positional, *(constexprs[name] for name in compiled[1]))
+    kernel_, constexpr_values = compiled[0], tuple(constexprs[name] for name in compiled[1])
+    return lambda grid, positional: kernel_[(*grid, 1, 1)[:3]](*positional, *constexpr_values)

@@ -17,6 +17,7 @@ state slots, the launch's argument tensor, stats, rule name, stochastic).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -53,6 +54,36 @@ def resolve_backend(backend: str, device: torch.device):
             )
         return reference_fused_update
     return launch_fused_update
+
+
+def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stochastic: bool) -> Callable:
+    """``launch(x, dy, args, stats)``: the fused step of one layer whose weight and state
+    slots stay where they are, with what does not change between its steps prepared once
+    (the backend's choice, and on the persistent kernel its descriptors). Rebind when a
+    state is allocated or loaded."""
+    run = resolve_backend(backend, weight.device)
+    if run is launch_fused_update and not _kernels().INTERPRETER:
+        from .persistent_launch import PersistentLaunch, device_unsupported, tokens_unsupported, weight_unsupported
+
+        if device_unsupported(weight.device) is None and weight_unsupported(weight, slots) is None:
+            persistent = PersistentLaunch(weight, slots, stats, _kernels().RULE_UPDATES[rule_name], stochastic)
+
+            def launch(x, dy, args, stats):
+                if tokens_unsupported(x, dy) is None:
+                    persistent(x, dy, args, stats)
+                else:
+                    launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic)
+            return launch
+
+    def launch(x, dy, args, stats):
+        run(x, dy, weight, slots, args, stats, rule_name, stochastic)
+    return launch
+
+
+def _kernels():
+    from . import fused_update  # Triton's import is deferred to the first GPU step
+
+    return fused_update
 
 
 def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,

@@ -8,6 +8,7 @@ fused_update.py's.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,17 +31,36 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def persistent_unsupported(x, dy, weight, slots) -> str | None:
     """Why the persistent kernel cannot take this step (None: it can)."""
+    return device_unsupported(weight.device) or layout_unsupported(x, dy, weight, slots)
+
+
+def device_unsupported(device: torch.device) -> str | None:
+    """Why the persistent kernel cannot run on ``device`` (None: it can)."""
     if os.environ.get("FORGE_HF_KERNEL", "auto") == "triton":
         return "FORGE_HF_KERNEL=triton"
-    if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] != 9:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return "not a Hopper GPU (wgmma and TMA as compiled for sm_90)"
-    return layout_unsupported(x, dy, weight, slots)
+    return None
+
+
+def tokens_unsupported(x, dy) -> str | None:
+    """Why a step's tokens (x, dy) do not suit the kernel (None: they do)."""
+    if x.dtype != torch.bfloat16 or dy.dtype != torch.bfloat16:
+        return "x and dy must be bf16"
+    if not (_aligned(x) and _aligned(dy)):
+        return "x or dy has a non-unit last stride or is not 16-byte aligned"
+    return None
 
 
 def layout_unsupported(x, dy, weight, slots) -> str | None:
     """Why these tensors' dtypes and layouts do not suit the kernel (None: they do)."""
-    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or dy.dtype != torch.bfloat16:
-        return "weight, x and dy must be bf16"
+    return weight_unsupported(weight, slots) or tokens_unsupported(x, dy)
+
+
+def weight_unsupported(weight, slots) -> str | None:
+    """Why a weight and its state slots do not suit the kernel (None: they do)."""
+    if weight.dtype != torch.bfloat16:
+        return "the weight must be bf16"
     n, k = weight.shape
     if n % BLOCK_SIZE or k % BLOCK_SIZE:
         return f"weight shape {tuple(weight.shape)} is not a multiple of {BLOCK_SIZE}"
@@ -55,8 +75,6 @@ def layout_unsupported(x, dy, weight, slots) -> str | None:
         if isinstance(slot, QuantisedSlot) and \
                 (tuple(slot.meta.shape), slot.meta.stride()) != codecs.meta_layout(n, k, slot.codec):
             return "8-bit metadata is not laid out as QuantisedSlot.empty_like allocates it"
-    if not (_aligned(x) and _aligned(dy)):
-        return "x or dy has a non-unit last stride or is not 16-byte aligned"
     return None
 
 
@@ -78,11 +96,45 @@ def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, 
     return descs + metas + [args, stats, n, k, x.shape[0]], constexprs, options
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _grid(weight: torch.Tensor) -> tuple[int]:
+    n, k = weight.shape
+    return (min(_multiprocessors(weight.device), triton.cdiv((n // BLOCK_SIZE) * (k // BLOCK_SIZE), 2)),)  # two lanes
+
+
 def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0) -> None:
     """One fused step of one layer by the persistent kernel (arguments as persistent_launch_arguments')."""
     positional, constexprs, options = persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update,
-                                                      stochastic, ablate)
-    n, k = weight.shape
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-    grid = (min(sms, triton.cdiv((n // BLOCK_SIZE) * (k // BLOCK_SIZE), 2)),)  # two lanes a program
-    launch_compiled(persistent_update_kernel, grid, positional, constexprs, options)
+                                                                  stochastic, ablate)
+    launch_compiled(persistent_update_kernel, _grid(weight), positional, constexprs, options)
+
+
+class PersistentLaunch:
+    """One layer's launches of the persistent kernel, with what stays the same from step to
+    step built once: the TMA descriptors of its weight and states, the constexprs, the grid.
+    A step then builds the descriptors of its tokens and launches (``launch(x, dy, args,
+    stats)``); ``weight`` and ``slots`` must stay where they are (the caller rebinds when a
+    state is allocated or loaded)."""
+
+    def __init__(self, weight, slots, stats, rule_update, stochastic):
+        positional, self.constexprs, self.options = persistent_launch_arguments(
+            weight, weight, weight, slots, stats, stats, rule_update, stochastic)  # tokens and args: per step
+        self.fixed = positional[2:9]  # the weight's and states' descriptors, the states' metadata
+        self.n, self.k = weight.shape
+        self.grid = _grid(weight)
+        self._again: dict = {}  # what Triton specialises on that may change: token count, args' alignment
+
+    def __call__(self, x, dy, args, stats) -> None:
+        t = x.shape[0]
+        positional = [tensor_descriptor(x), tensor_descriptor(dy), *self.fixed, args, stats, self.n, self.k, t]
+        spec = (t == 1, t % 16 == 0, args.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
+        again = self._again.get(spec)
+        if again is None:
+            self._again[spec] = launch_compiled(persistent_update_kernel, self.grid, positional, self.constexprs,
+                                                self.options)
+        else:
+            again(self.grid, positional)

@@ -13,6 +13,7 @@ import weakref
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,7 +21,8 @@ from ..core.launch_args import next_launch_args
 from ..core.rounding import layer_salt
 from ..core.rules import get_rule, make_group
 from ..core.state import ForgeState, check_rounding
-from ..kernels.dispatch import check_backend, resolve_backend
+from ..kernels.dispatch import bind_fused_update, check_backend
+from .compiled_linear import compiled_forward
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -44,6 +46,21 @@ def _in_this_backward(node) -> bool:
     """Whether the running backward will execute ``node`` (graph membership; under
     ``autograd.grad(inputs=...)`` also whether it is needed)."""
     return torch._C._will_engine_execute_node(node)
+
+
+def _check_one_process(layer) -> None:
+    """A fused step without forge's data-parallel mode is exact only if no other rank trains
+    these weights: DDP has no fused gradient to reduce, so each rank would step from its own
+    batch alone and the replicas drift apart. Checked once per layer (``_forge_one_process``)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"{layer.forge_name} ran a fused backward in a process group of {dist.get_world_size()} ranks "
+            "without forge data parallelism: each rank would step its fused weights from its own batch "
+            "only (DDP, find_unused_parameters=True included, never reduces them) and the ranks would "
+            "drift apart. Call forge_hf.distributed.enable_data_parallel(model) after patch_model and "
+            "before wrapping the model in DistributedDataParallel, or train with forge_hf.ForgeTrainer "
+            "under `accelerate launch` or torchrun, which enables it itself")
+    layer._forge_one_process = True
 
 
 class ForgeFallbackWarning(UserWarning):
@@ -187,9 +204,7 @@ class FusedWeightMixin:
             other = ref()
             if other is not None and other is not node and _in_this_backward(other):
                 return "the module is called more than once in this step"
-        with torch.enable_grad():
-            acc = self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
-        if _in_this_backward(acc):
+        if _in_this_backward(torch.autograd.graph.get_gradient_edge(self.weight).node):  # its AccumulateGrad
             return "its weight is also used outside the module in this step (tied or read directly)"
         return None
 
@@ -234,7 +249,8 @@ class FusedWeightMixin:
     def __getstate__(self):
         # Weak references and hook handles belong to this object: a copy makes its own.
         state = dict(self.__dict__)
-        for key in ("_forge_nodes", "_forge_hook", "_forge_anchor", "forge_dp"):
+        for key in ("_forge_nodes", "_forge_hook", "_forge_anchor", "forge_dp", "_forge_one_process",
+                    "_forge_launch"):
             state.pop(key, None)
         return state
 
@@ -247,6 +263,8 @@ class FusedWeightMixin:
         rule, group, state = self.forge_rule, self.forge_group, self.forge_state
         weight, param = self.forge_weight_view().data, self.weight
         dp = self.forge_dp
+        if dp is None and not self.__dict__.get("_forge_one_process", False):
+            _check_one_process(self)
         start = 0
         if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
             x2, dy2 = dp.gather_tokens(x2, dy2)
@@ -258,13 +276,31 @@ class FusedWeightMixin:
         device = self.weight.device
         if self.forge_stats.device != device:
             self.forge_stats = self.forge_stats.to(device)
-        args = next_launch_args(rule, group, state, layer_salt(self.forge_seed, self.forge_layer_index), device, start)
+        args = next_launch_args(rule, group, state, self.forge_salt(), device, start)
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
-            run = resolve_backend(self.forge_backend, device)
-            run(x2, dy2, weight, state.kernel_slots(), args, self.forge_stats,
-                rule.name, self.forge_rounding == "stochastic")
+            self.forge_launcher(weight, state)(x2, dy2, args, self.forge_stats)
         if dp is not None:
             dp.share_rows(self.forge_weight_view().data)
+
+    def forge_salt(self) -> int:
+        """The 32-bit key of this layer's stochastic-rounding stream."""
+        key = (self.forge_seed, self.forge_layer_index)
+        cached = self.__dict__.get("_forge_salt")
+        if cached is None or cached[0] != key:
+            cached = self._forge_salt = (key, layer_salt(*key))
+        return cached[1]
+
+    def forge_launcher(self, weight: torch.Tensor, state: ForgeState):
+        """The bound fused step of this layer (kernels/dispatch.bind_fused_update), built again
+        when the weight, a state slot, the statistics or the backend moved."""
+        key = (self.forge_backend, self.forge_rounding, weight.data_ptr(), tuple(weight.shape),
+               self.forge_stats.data_ptr(), *map(id, state.slots))
+        bound = self.__dict__.get("_forge_launch")
+        if bound is None or bound[0] != key:
+            launch = bind_fused_update(self.forge_backend, weight, state.kernel_slots(), self.forge_stats,
+                                       self.forge_rule.name, self.forge_rounding == "stochastic")
+            bound = self._forge_launch = (key, launch)
+        return bound[1]
 
     def forge_ready(self) -> None:
         """Finish a pending data-parallel gather of updated rows before the weight is read."""
@@ -276,11 +312,18 @@ class FusedWeightMixin:
         return self.forge_enabled and self.training and torch.is_grad_enabled() and self.weight.requires_grad
 
     def forge_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # custom ops torch.compile traces (compiled_linear.py)
+            return compiled_forward(self, x)
         return self.forge_apply(FusedWeightFunction, x)
 
     def forge_apply(self, function, *inputs: torch.Tensor) -> torch.Tensor:
         """``function.apply(*inputs, anchor, bias, self)``: a fused Function whose first
         input has the layer's tokens along its leading dimensions."""
+        if torch.compiler.is_compiling():
+            # torch.compile then runs this call eagerly at a graph break (fullgraph=True: the error)
+            raise RuntimeError(
+                f"{self.forge_name}: only the fused linear has a torch.compile form, not other fused "
+                "Functions: give yours custom ops as nn/compiled_linear.py does, or allow a graph break")
         anchor = self.__dict__.get("_forge_anchor")
         if anchor is None or anchor.device != self.weight.device:
             anchor = self._forge_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
@@ -341,7 +384,8 @@ class ForgeLinear(FusedWeightMixin, nn.Linear):
         return self.forge_release(nn.Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.forge_note_call()
+        if not torch.compiler.is_compiling():  # compiled: the fused op notes the call when it runs
+            self.forge_note_call()
         if not self.forge_active():
             return F.linear(x, self.weight, self.bias)
         return self.forge_forward(x)

@@ -17,6 +17,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .linear import FusedWeightMixin, fused_backward
 
@@ -52,11 +53,19 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
             and getattr(config, "hidden_act", None) in SILU_ACTS)
 
 
+def _product(gate, up):
+    return F.silu(gate) * up
+
+
 def _swiglu_forward(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
     down = self.down_proj
     if not (isinstance(down, FusedWeightMixin) and down.forge_active()):  # eval, unpatched, fallen back
         return down(F.silu(gate) * up)
+    if torch.compiler.is_compiling():
+        # The fused linear's custom op on a product the compiler forms again in backward:
+        # gate and up kept only, as by SwiGLUDownFunction.
+        return down(checkpoint(_product, gate, up, use_reentrant=False))
     down.forge_note_call()
     return down.forge_apply(SwiGLUDownFunction, gate, up)
 

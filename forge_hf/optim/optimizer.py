@@ -113,6 +113,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._kernel = resolve_backend(first.forge_backend, self._device) is not reference_fused_update
         self._nonfinite = torch.zeros((), device=self._device)
         self.last_grad_norm: torch.Tensor | None = None
+        self._step_taken = False
         self.link_layers()
 
     def link_layers(self) -> None:
@@ -129,8 +130,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    def skip_next_step(self) -> None:
+        """This batch's step has already run (a replayed CUDA graph holds it): the next
+        ``step()`` call, the Trainer's, returns without stepping."""
+        self._step_taken = True
+
     @torch.no_grad()
     def step(self, closure=None):
+        if self._step_taken:
+            self._step_taken = False
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -275,5 +284,5 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 dp, n_rows = self._sharding(p)
                 state.load_state_dict(self._own_state(p, saved[i]), p if dp is None else p[slice(*dp.rows(n_rows))])
             else:
-                state.__init__(state.rule, state.precision)  # nothing saved: start fresh
+                state.reset()  # nothing saved: start fresh
         self.link_layers()  # torch built new group dicts

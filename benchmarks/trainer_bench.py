@@ -1,0 +1,140 @@
+"""The user's path, side by side: a step through the Trainer API with each arm a user could set
+up, in one process, one arm after another, on a real-shaped model with random weights.
+
+Arms (any subset, in the order given):
+  adamw_fused          Trainer(optim="adamw_torch_fused")
+  adamw_fused_compile  the same with torch_compile=True
+  forge_eager          ForgeTrainer(optim="forge_adamw"), cuda_graph=false
+  forge                ForgeTrainer, default options (cuda_graph=auto)
+  forge_compile        ForgeTrainer with torch_compile=True (cuda_graph=auto)
+  ..._int8             suffix: forge arms with int8 state (bf16 otherwise)
+
+Every arm: bf16 weights, SDPA attention, packed batches of random tokens, max_grad_norm=0
+(forge cannot clip; the fused-AdamW arms do not clip either, their fastest setting), a
+callback that synchronises and times each step; the median over the steps after the warm-up,
+with the interquartile range, and the arm's peak allocated memory (statistics reset, caches
+emptied between arms). Rows go to the results table (results_table.py).
+
+    python benchmarks/trainer_bench.py --models llama-3.1-8b --batches 1x512 --arms adamw_fused,forge
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+
+from models import build_model
+from results_table import add_table_option, append_rows
+
+ARMS = ("adamw_fused", "adamw_fused_compile", "forge_eager", "forge", "forge_compile")
+
+
+class StepClock:
+    """A TrainerCallback (built lazily: transformers is imported in main) timing each step."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Clock(TrainerCallback):
+            def __init__(self):
+                self.times: list[float] = []
+
+            def on_step_begin(self, args, state, control, **kw):
+                torch.cuda.synchronize()
+                self._t = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                torch.cuda.synchronize()
+                self.times.append((time.perf_counter() - self._t) * 1e3)
+
+        return Clock()
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, length: int, vocab: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    import forge_hf
+
+    base, _, state = arm.partition("_int8")
+    state = "int8" if _ == "_int8" else "bf16"
+    forge = base.startswith("forge")
+    model = build_model(model_name)
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=2e-5,
+            lr_scheduler_type="constant", max_grad_norm=0.0, bf16=True, logging_steps=10_000, save_strategy="no",
+            report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"), seed=0,
+            optim="forge_adamw" if forge else "adamw_torch_fused",
+            optim_args=(f"state_precision={state}" + (",cuda_graph=false" if base == "forge_eager" else ""))
+            if forge else None)
+        data = RandomTokens(batch * (warmup + steps), length, model.config.vocab_size)
+        trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
+        trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock])
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        graphed = bool(getattr(getattr(trainer, "forge_graph", None), "step", None)
+                       and trainer.forge_graph.step.graph is not None)
+    timed = clock.times[warmup:]
+    q = statistics.quantiles(timed, n=4) if len(timed) >= 4 else [min(timed), 0, max(timed)]
+    del trainer, model
+    return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak,
+                note=f"{len(timed)} steps after {warmup}; IQR; graphed={graphed}" if forge else
+                f"{len(timed)} steps after {warmup}; IQR")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="qwen3-0.6b")
+    p.add_argument("--batches", default="4x512", help="comma-separated BATCHxLENGTH cells")
+    p.add_argument("--arms", default="adamw_fused,adamw_fused_compile,forge_eager,forge")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=6, help="untimed steps (compile, capture)")
+    p.add_argument("--out", help="also write the rows as JSON here")
+    add_table_option(p)
+    opts = p.parse_args()
+    rows = []
+    for model_name in opts.models.split(","):
+        for cell in opts.batches.split(","):
+            batch, length = map(int, cell.split("x"))
+            for arm in opts.arms.split(","):
+                row = dict(model=model_name, batch=cell, arm=f"trainer_{arm}", tool="trainer_bench")
+                try:
+                    row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup))
+                except Exception as e:  # an arm that fails (out of memory, a compile error) is a row too
+                    traceback.print_exc()
+                    row.update(step_ms="", spread_ms="", peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                               note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch._dynamo.reset()
+    append_rows(rows, opts.table)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

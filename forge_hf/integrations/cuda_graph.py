@@ -1,0 +1,191 @@
+"""CUDA graphs inside ForgeTrainer: ``optim_args="cuda_graph=auto|true|false"``.
+
+A forge step launches a few hundred small kernels from Python; at the batch sizes that fit a
+big model the host cannot queue them as fast as the GPU runs them. With the graph on, once
+three batches in a row have had the same shapes, the training step (forward, backward with
+the fused updates, ForgeOptimizer.step) is captured by optim/graphs.GraphedStep and
+replayed for every later batch of those shapes; the Trainer's own ``optimizer.step()`` then
+has nothing left to do. Everything else the Trainer does between steps (logging, the LR
+scheduler, evaluation, checkpoints, callbacks) runs as usual: the replay reads the learning
+rate and step counts afresh each time.
+
+``auto`` (the default) captures on a CUDA device where the step can be captured and says
+once, in a warning, why not where it cannot; ``true`` refuses to train eagerly, naming the
+reason; ``false`` never captures. A batch of other shapes (the last, shorter batch of an
+epoch) runs eagerly; a second such batch in a row, or no three batches of one shape in a row
+among the first eight, means the shapes vary (a collator that pads to the longest sequence of
+each batch): the graph is released, or never captured, for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..optim.graphs import GraphedStep, captured_addresses
+
+MODES = ("auto", "true", "false")
+STABLE_STEPS = 3  # batches of one shape in a row before a capture: two eager warm-ups, then capture
+UNSETTLED_STEPS = 8  # steps without STABLE_STEPS batches of one shape in a row: the shapes vary
+NUM_ITEMS = "forge_num_items_in_batch"  # Trainer's loss normaliser, carried into the graph as an input
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"optim_args cuda_graph={mode!r} is not a mode: use one of {list(MODES)}")
+    return mode
+
+
+def _shapes(inputs: dict) -> tuple | None:
+    """The batch's (key, shape, dtype, device) signature; None if a value is not a tensor."""
+    if not all(isinstance(v, torch.Tensor) for v in inputs.values()):
+        return None
+    return tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(inputs.items()))
+
+
+def _forward_module(model: nn.Module) -> nn.Module:
+    """The module to run inside a capture: DDP's reducer is not captured (GraphedStep
+    averages the other gradients itself), so the module it wraps."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+class TrainerGraph:
+    """The graph state of one ForgeTrainer: counts batches of one shape, captures, replays,
+    and gives each step that runs eagerly its reason."""
+
+    def __init__(self, mode: str):
+        self.mode = check_mode(mode)
+        self.off: str | None = "cuda_graph=false" if mode == "false" else None  # why no graph, for the run
+        self.step: GraphedStep | None = None
+        self.shapes: tuple | None = None
+        self.same_shapes = 0  # consecutive batches with self.shapes
+        self.waiting = 0  # steps run eagerly while waiting for batches of one shape
+        self.grad_norm: torch.Tensor | None = None  # the captured step's grad-norm output
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ decisions
+
+    def _static_reason(self, trainer, model: nn.Module) -> str | None:
+        """Why no step of this run can be captured (checked until the first capture)."""
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            return f"the model is on {device}, and CUDA graphs need a CUDA device"
+        if trainer.args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False):
+            return ("gradient checkpointing recomputes the forward inside backward with host-side RNG "
+                    "bookkeeping a capture cannot hold")
+        optimizer = trainer.forge_optimizer
+        if optimizer is None:
+            return "the optimizer is not a ForgeOptimizer"
+        if optimizer.stop_on_nonfinite:
+            return "stop_on_nonfinite=true reads a count on the host inside every step"
+        return None
+
+    def _disable(self, reason: str) -> None:
+        """No graph for the rest of the run, said once."""
+        if self.mode == "true":
+            raise RuntimeError(f"optim_args cuda_graph=true, but the step cannot be captured: {reason}. "
+                               "Use cuda_graph=auto (captures where it can) or false")
+        self.off, self.step, self.grad_norm = reason, None, None
+        if self.mode == "auto" and "device" not in reason:  # on a CPU, eager is simply the way
+            warnings.warn(f"forge: training steps run eagerly, without a CUDA graph: {reason}", stacklevel=3)
+
+    def _warn_once(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"forge: a step runs eagerly: {reason}", stacklevel=3)
+
+    # ------------------------------------------------------------------ the step
+
+    def run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
+        """This training step through the graph (its loss), or None: run it eagerly."""
+        if self.off is not None:
+            return None
+        if self.step is None:
+            reason = self._static_reason(trainer, model)
+            if reason is not None:
+                self._disable(reason)
+                return None
+        model.train()
+        inputs = trainer._prepare_inputs(inputs)
+        if num_items_in_batch is not None:
+            device = next(model.parameters()).device
+            inputs = {**inputs, NUM_ITEMS: torch.as_tensor(num_items_in_batch, device=device)}
+        shapes = _shapes(inputs)
+        if shapes is None:
+            self._disable("a batch holds values that are not tensors")
+            return None
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            # the capture took the unpadded path of the attention: a padded batch would replay it
+            self._warn_once("its attention_mask pads some positions, which a captured step does not see")
+            return None
+        if self.step is not None and shapes != self.shapes:
+            if self.step.graph is not None:
+                return self._mismatch(shapes)
+            self.step = None  # not captured yet: wait for batches of one shape again
+        if self.step is None:
+            self.same_shapes = self.same_shapes + 1 if shapes == self.shapes else 1
+            self.shapes = shapes
+            if self.same_shapes < STABLE_STEPS - 1:
+                self.waiting += 1
+                if self.waiting >= UNSETTLED_STEPS:
+                    self._disable(f"batch shapes vary from step to step ({self._describe(shapes)} in the last): "
+                                  "pack or pad batches to one length to replay a graph")
+                return None
+            self.step = GraphedStep(_forward_module(model), trainer.forge_optimizer,
+                                    loss_fn=self._loss_fn(trainer, model), warmup_steps=1)
+        elif self.step.graph is not None and \
+                captured_addresses(self.step.model, self.step.optimizer) != self.step.addresses:
+            # a checkpoint was loaded into the optimizer (or the model moved): capture again
+            self.step, self.grad_norm, self.same_shapes = None, None, 1
+            return None
+        return self._through_graph(trainer, inputs)
+
+    def _mismatch(self, shapes) -> None:
+        """A batch of other shapes after the capture: eager once; twice in a row, release."""
+        if self.same_shapes == 0:
+            self._disable(f"batch shapes vary from step to step ({self._describe(self.shapes)} captured, "
+                          f"then {self._describe(shapes)}): pack or pad batches to one length to replay a graph")
+            return None
+        self.same_shapes = 0
+        self._warn_once(f"its batch has other shapes ({self._describe(shapes)}) than the captured step "
+                        f"({self._describe(self.shapes)})")
+        return None
+
+    @staticmethod
+    def _describe(shapes) -> str:
+        return ", ".join(f"{k} {list(s)}" for k, s, _, _ in shapes)
+
+    def _through_graph(self, trainer, inputs: dict) -> torch.Tensor:
+        optimizer = trainer.forge_optimizer
+        capturing = self.step.graph is None and self.step.calls >= self.step.warmup_steps
+        try:
+            loss = self.step(inputs)
+        except RuntimeError as e:
+            if not capturing:
+                raise
+            # something in the step reads the GPU on the host or copies host data to it
+            # (a custom compute_loss, eager attention's mask, ...): nothing was executed
+            self._disable(f"capturing it failed ({str(e).splitlines()[0][:300]})")
+            return None
+        if self.step.graph is not None:
+            if capturing:
+                self.grad_norm = optimizer.last_grad_norm
+            optimizer.last_grad_norm = self.grad_norm  # an eager step in between replaced it
+            self.same_shapes = max(self.same_shapes, 1)
+        optimizer.skip_next_step()  # the Trainer's optimizer.step(): already part of this step
+        return loss
+
+    @staticmethod
+    def _loss_fn(trainer, model: nn.Module):
+        forward = _forward_module(model)
+
+        def loss_fn(module, batch: dict) -> torch.Tensor:
+            batch = dict(batch)
+            num_items = batch.pop(NUM_ITEMS, None)
+            with trainer.compute_loss_context_manager():
+                return trainer.compute_loss(forward, batch, num_items_in_batch=num_items)
+
+        return loss_fn

@@ -1,0 +1,163 @@
+"""CUDA graphs inside ForgeTrainer (integrations/cuda_graph.py): the option, its refusals on
+CPU, and on a GPU the graphed Trainer against the eager one with everything a Trainer user
+relies on between steps (logging, the LR schedule, evaluation, checkpoints and resume, a
+short last batch, a padding collator)."""
+
+import warnings
+
+import pytest
+import torch
+from test_optim import SEQ, VOCAB, tiny_llama
+from test_trainer import dataset, step_logs, training_args
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import forge_hf
+from forge_hf.integrations.trainer import ForgeTrainer, forge_options
+from forge_hf.optim.optimizer import ForgeOptimizer
+
+# ------------------------------------------------------------------------ CPU
+
+
+def test_an_unknown_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"cuda_graph='sometimes' is not a mode: use one of \['auto', 'true'"):
+        forge_options(training_args(tmp_path, optim_args="cuda_graph=sometimes"))
+
+
+def test_graph_required_on_a_cpu_stops_before_any_step(tmp_path):
+    model = tiny_llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = ForgeTrainer(model=model, args=training_args(tmp_path, optim_args="backend=reference,min_params=0,"
+                                                                                 "cuda_graph=true"),
+                           train_dataset=dataset())
+    with pytest.raises(RuntimeError, match="cuda_graph=true, but the step cannot be captured: the model is on cpu"):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_auto_on_a_cpu_trains_eagerly_without_a_warning(tmp_path):
+    trainer = ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path, max_steps=3), train_dataset=dataset())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="forge:")
+        trainer.train()
+    assert trainer.forge_graph.step is None and "cpu" in trainer.forge_graph.off
+
+
+def test_a_step_taken_by_the_graph_is_not_taken_again():
+    model = tiny_llama()
+    forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0)
+    opt = ForgeOptimizer(model, lr=1e-2)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    model(input_ids=ids, labels=ids).loss.backward()
+    embed = model.model.embed_tokens.weight
+    before = embed.detach().clone()
+    opt.skip_next_step()
+    opt.step()  # the Trainer's call after a replay: nothing
+    assert torch.equal(embed, before)
+    opt.step()  # the next one steps
+    assert not torch.equal(embed, before)
+
+
+# ------------------------------------------------------------------------ GPU
+# The graph's GEMMs may round differently from eager ones (cuBLAS's workspace differs under
+# capture), so whole models are compared within the tolerances of tests/test_graphs.py.
+
+
+def cuda_args(out, **overrides):
+    options = dict(use_cpu=False, bf16=True, optim_args="state_precision=bf16", max_steps=10,
+                   lr_scheduler_type="cosine", warmup_steps=2)
+    options.update(overrides)
+    return training_args(out, **options)
+
+
+def cuda_llama():
+    return tiny_llama().cuda().to(torch.bfloat16)
+
+
+def train(out, mode, **overrides):
+    args = cuda_args(out, optim_args=f"state_precision=bf16,cuda_graph={mode}", **overrides)
+    trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=9))
+    with sdpa_kernel(SDPBackend.MATH):  # deterministic attention backward
+        trainer.train()
+    return trainer
+
+
+def assert_trains_alike(graphed, eager, start):
+    a_logs, b_logs = step_logs(graphed), step_logs(eager)
+    assert len(a_logs) == len(b_logs) > 0
+    for a, b in zip(a_logs, b_logs):
+        assert a["learning_rate"] == b["learning_rate"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-2 * abs(b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * b["grad_norm"]
+    for (name, a), b, a0 in zip(eager.model.named_parameters(), graphed.model.parameters(), start):
+        moved = (a.float() - a0.float()).norm()
+        apart = (b.float() - a.float()).norm()
+        assert apart <= 0.05 * moved, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
+
+
+@pytest.mark.gpu
+def test_graphed_trainer_follows_the_eager_one_with_eval_and_schedule(tmp_path):
+    start = [p.detach().clone() for p in cuda_llama().parameters()]
+    common = dict(eval_strategy="steps", eval_steps=4)
+    graphed = train(tmp_path / "g", "auto", **common)
+    eager = train(tmp_path / "e", "false", **common)
+    assert graphed.forge_graph.step is not None and graphed.forge_graph.step.graph is not None
+    assert graphed.forge_graph.step.calls == 10 - 1  # the first step eager through the Trainer
+    assert any("eval_loss" in log for log in graphed.state.log_history)
+    assert_trains_alike(graphed, eager, start)
+
+
+@pytest.mark.gpu
+def test_graph_required_trains_through_the_graph(tmp_path):
+    trainer = train(tmp_path, "true")
+    assert trainer.forge_graph.step.graph is not None
+
+
+@pytest.mark.gpu
+def test_resume_captures_again_and_continues_like_a_straight_run(tmp_path):
+    start = [p.detach().clone() for p in cuda_llama().parameters()]
+    straight = train(tmp_path, "auto", save_strategy="steps", save_steps=5)
+    args = cuda_args(tmp_path, optim_args="state_precision=bf16,cuda_graph=auto", save_strategy="steps",
+                     save_steps=5)
+    resumed = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset())
+    with sdpa_kernel(SDPBackend.MATH):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    assert resumed.forge_graph.step is not None and resumed.forge_graph.step.graph is not None
+    for (name, a), b, a0 in zip(straight.model.named_parameters(), resumed.model.parameters(), start):
+        moved = (a.float() - a0.float()).norm()
+        apart = (b.float() - a.float()).norm()
+        assert apart <= 0.05 * moved, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
+
+
+@pytest.mark.gpu
+def test_a_short_last_batch_runs_eagerly_and_the_graph_stays(tmp_path):
+    data = dataset(2 * 6 + 1)  # six full batches of two, then one of one
+    args = cuda_args(tmp_path, optim_args="state_precision=bf16", max_steps=-1, num_train_epochs=2)
+    trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=data)
+    with pytest.warns(UserWarning, match="other shapes"):
+        trainer.train()
+    assert trainer.forge_graph.off is None and trainer.forge_graph.step.graph is not None
+    assert all(torch.isfinite(torch.tensor(log["loss"])) for log in step_logs(trainer))
+
+
+@pytest.mark.gpu
+def test_a_padding_collator_releases_the_graph_with_one_warning(tmp_path):
+    lengths = [SEQ, SEQ - 3, SEQ - 5, SEQ - 1] * 4
+
+    def collate(rows):  # pads to the longest row of the batch: shapes vary
+        longest = max(len(r["input_ids"]) for r in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r["input_ids"])] = r["input_ids"]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen)} for n in lengths]
+    args = cuda_args(tmp_path, optim_args="state_precision=bf16", max_steps=-1, num_train_epochs=1,
+                     per_device_train_batch_size=1)
+    trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=data, data_collator=collate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert trainer.forge_graph.off is not None and "vary" in trainer.forge_graph.off
+    assert sum("without a CUDA graph" in str(w.message) for w in caught) == 1
+    assert len(step_logs(trainer)) == len(lengths)
