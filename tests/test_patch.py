@@ -1,10 +1,13 @@
 """patch_model / unpatch_model: the report and each skip reason, bad arguments, patching
-twice, unpatching, the runtime multi-consumer fallback, gradient checkpointing, Liger and
-PEFT composition. Model-wide exactness is in test_patch_models.py (whose tiny models and
-comparison these tests reuse)."""
+twice, unpatching, nn.Linear subclasses, the runtime multi-consumer fallback and its
+place in the report, gradient checkpointing, Liger and PEFT composition. Model-wide
+exactness is in test_patch_models.py (whose tiny models and comparison these tests
+reuse)."""
 
 import copy
+import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,19 +22,25 @@ from test_patch_models import (
     no_fallback,
     run_pair,
     tiny_llama,
+    tiny_lora,
     train,
 )
 from torch import nn
+from transformers.models.esm.modeling_esmfold import EsmFoldLinear
+from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.pytorch_utils import Conv1D
 
 from forge_hf.nn.conv1d import ForgeConv1D
 from forge_hf.nn.linear import ForgeFallbackWarning, ForgeLinear
 from forge_hf.optim.patch import (
+    ADAPTER,
     BELOW_MIN_PARAMS,
     EXCLUDED,
     EXPERT_TENSOR,
+    FELL_BACK,
     FROZEN,
     LIGER_LM_HEAD,
+    LINEAR_MAP_SUBCLASSES,
     NOT_INCLUDED,
     SHARED,
     TIED,
@@ -195,6 +204,67 @@ def test_unpatch_restores_plain_modules_with_the_same_parameters_and_hooks():
     assert unpatch_model(model) == []
 
 
+class InitOnlyLinear(nn.Linear):
+    """A subclass that keeps nn.Linear's forward (as EsmFoldLinear does)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.init = "glorot"
+
+
+def test_subclasses_with_the_plain_map_are_fused_and_restored_with_their_class():
+    model = nn.Sequential(InitOnlyLinear(8, 8), FalconLinear(8, 8), EsmFoldLinear(8, 8), SubLinear(8, 8))
+    report = patch_model(model, min_params=0, backend="reference")
+    assert report.fused_names == ["0", "1", "2"] and report.skip_reasons() == {"3": UNSUPPORTED}
+    assert [type(m) for m in model[:3]] == [ForgeLinear] * 3 and model[0].init == "glorot"
+    assert unpatch_model(model) == ["0", "1", "2"]
+    assert [type(m) for m in model] == [InitOnlyLinear, FalconLinear, EsmFoldLinear, SubLinear]
+    assert all(not k.startswith("forge_") for m in model for k in vars(m))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_listed_subclasses_compute_exactly_the_parent_map(bias):
+    """LINEAR_MAP_SUBCLASSES holds, in the installed transformers, what it says."""
+    import importlib
+
+    for qualified, plain in LINEAR_MAP_SUBCLASSES.items():
+        module, _, name = qualified.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        assert issubclass(cls, plain) and cls.forward is not plain.forward, qualified
+        torch.manual_seed(0)
+        layer, x = cls(16, 24, bias=bias), torch.randn(3, 5, 16)
+        torch.testing.assert_close(layer(x), plain.forward(layer, x), rtol=1e-6, atol=1e-6)
+
+
+# Every nn.Linear / Conv1D subclass in transformers' models, by what its forward does, as
+# read in transformers 5.24. A new one fails the test below until it is read and placed.
+KEEPS_PARENT_FORWARD = {"EsmFoldLinear"}
+OWN_FORWARD = {  # refused (UNSUPPORTED): each computes more than the linear map
+    "DeepseekV4GroupedLinear": "grouped bmm over n_groups slices of the weight",
+    "DoryLMHead": "scales the logits by a learned per-token vector",
+    "IdeficsDecoupledLinear": "concatenates a second linear's output",
+    "Llama4Router": "top-k and sigmoid of the logits",
+    "PhimoeTopKRouter": "input jitter and sparsemixer routing",
+}
+
+
+def test_every_linear_subclass_in_transformers_is_placed():
+    import transformers
+
+    found, bases = {}, {"Linear", "Conv1D"}
+    sources = {p: p.read_text() for p in Path(transformers.__file__).parent.glob("models/*/modeling_*.py")}
+    while True:  # subclasses of subclasses too
+        for path, text in sources.items():
+            for name, base in re.findall(r"^class (\w+)\(([\w.]+)\):", text, re.M):
+                if base.rpartition(".")[2] in bases:
+                    found[name] = path.parent.name
+        if set(found) <= bases:
+            break
+        bases |= set(found)
+    listed = {q.rpartition(".")[2] for q in LINEAR_MAP_SUBCLASSES}
+    assert set(found) == listed | KEEPS_PARENT_FORWARD | set(OWN_FORWARD), found
+
+
 def test_deepcopy_of_a_patched_model_watches_its_own_weights():
     model = nn.Sequential(nn.Linear(8, 8))
     patch_model(model, min_params=0, backend="reference")
@@ -240,6 +310,21 @@ def test_multi_consumer_weight_falls_back_once_and_trains_exactly(use):
     assert [str(w.message).split(":")[1] for w in caught] == [" lin falls back to the ordinary optimizer"]
     assert forge_model.lin.forge_enabled is False
     assert_trained_alike(forge_model, torch_model, grads)
+
+
+def test_the_report_moves_a_layer_that_falls_back_and_says_why():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    report = patch_model(model, min_params=0, backend="reference")
+    assert report.update_fallbacks(model) == [] and report.gradient_bytes_saved == 2 * 4 * 64
+    with pytest.warns(ForgeFallbackWarning):
+        F.linear(model(torch.randn(2, 8)), model[1].weight).sum().backward()
+    moved = report.update_fallbacks(model)
+    assert [(s.name, s.reason) for s in moved] == [("1", FELL_BACK)] and report.fell_back == moved
+    assert report.fused_names == ["0"] and report.gradient_bytes_saved == 4 * 64
+    assert "received a gradient from outside the module" in moved[0].detail
+    assert report.summary().startswith("forge patch: 1 modules fused") and ", 1 fell back," in report.summary()
+    assert "fell back  kind" in str(report) and "fell_back: its weight received a gradient" in str(report)
+    assert report.update_fallbacks(model) == []  # recorded once
 
 
 def _fused(**kwargs):
@@ -350,6 +435,30 @@ def test_liger_applied_after_patching_is_caught_at_runtime(device):
         train(forge_model, case)
     assert forge_model.lm_head.forge_enabled is False
     assert_trained_alike(forge_model, torch_model, grads)
+
+
+def test_peft_adapters_stay_on_the_ordinary_path_unless_min_params_is_0():
+    import peft
+
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                              modules_to_save=["lm_head"]))
+    adapters = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".lora_" in n}
+    # min_params=1: every adapter (4 x 32 = 128 weights) is above it, and still left alone
+    report = patch_model(model, min_params=1, backend="reference")
+    assert {n for n, r in report.skip_reasons().items() if r == ADAPTER} == adapters and len(adapters) == 8
+    assert "a PEFT adapter (rank 4)" in str(report)
+    assert report.fused_names == ["base_model.model.lm_head.modules_to_save.default"]  # a trained full copy
+    unpatch_model(model)
+    assert set(patch_model(model, min_params=0, backend="reference").fused_names) == adapters | {
+        "base_model.model.lm_head.modules_to_save.default"}
+
+
+def test_a_lora_model_with_the_default_min_params_fuses_nothing_and_says_how_to():
+    model = tiny_lora()
+    with pytest.warns(UserWarning, match=r"fused no module of PeftModel \(pass min_params=0 to fuse "
+                                         r"small layers and PEFT adapters\): skipped 15 frozen, 8 adapter"):
+        report = patch_model(model)
+    assert report.fused == []
 
 
 def test_peft_lora_save_pretrained_and_merge_work_on_a_patched_model(tmp_path):

@@ -6,6 +6,7 @@ fell back); fused weights have none, so it skips them."""
 
 import contextlib
 import copy
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import pytest
 import torch
 import transformers
 from torch import nn
+from transformers.models.esm.modeling_esmfold import EsmFoldLinear
 
 from forge_hf.nn.linear import ForgeFallbackWarning
 from forge_hf.optim.patch import EXPERT_TENSOR, FROZEN, TIED, patch_model
@@ -42,6 +44,21 @@ def image_batch(gen):
 
 def tiny_llama():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+
+
+class Stack(nn.Module):
+    """Two ``linear`` layers around a tanh, for nn.Linear subclasses outside a tiny model."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.up, self.down = linear(16, 32), linear(32, 16)
+
+    def forward(self, x):
+        return types.SimpleNamespace(loss=self.down(torch.tanh(self.up(x))).square().mean())
+
+
+def vector_batch(gen):
+    return dict(x=torch.randn(BATCH, SEQ, 16, generator=gen))
 
 
 def tiny_lora():
@@ -95,6 +112,11 @@ CASES = {
         vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)),
         fused=8, skipped={"lm_head": TIED},
         falls_back=tuple(f"backbone.layers.{i}.mixer.dt_proj" for i in range(2))),
+    # nn.Linear subclasses that compute the plain map (optim/patch.py's _plain_type)
+    "falcon": Case(lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.0,
+        attention_dropout=0.0)), fused=8, skipped={"lm_head": TIED}),
+    "esmfold_linear": Case(lambda: Stack(EsmFoldLinear), batch=vector_batch, fused=2),
     "lora": Case(tiny_lora, fused=8, skipped={
         f"base_model.model.{n}": FROZEN
         for n in ["lm_head"] + _per_layer(["self_attn.q_proj.base_layer", "self_attn.k_proj",

@@ -6,6 +6,9 @@ an ordinary optimizer (ForgeOptimizer steps both kinds). This file is the static
 the safety rules; the runtime half (a module called twice in a step, a weight read
 elsewhere, a gradient that materialises anyway) is in nn/linear.py (FusedWeightMixin).
 
+A runtime fallback shows in the report once ``PatchReport.update_fallbacks(model)`` has
+read it from the layers (ForgeTrainer does at every log).
+
 ``include`` / ``exclude`` patterns are fnmatch globs (``*``, ``?``, ``[..]``) matched against
 whole dot-separated parts of a module's name: ``"lm_head"``, ``"q_proj"`` (every q_proj),
 ``"lora_A"``, ``"layers.0"`` (everything in layer 0), ``"model.layers.*.mlp.*"``.
@@ -13,7 +16,9 @@ whole dot-separated parts of a module's name: ``"lm_head"``, ``"q_proj"`` (every
 
 from __future__ import annotations
 
+import sys
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -28,8 +33,11 @@ from ..nn.conv1d import ForgeConv1D
 from ..nn.linear import WEIGHT_DTYPES, ForgeLinear, FusedWeightMixin
 
 # Below 64K weights (four 128x128 tiles) a fused launch cannot fill a GPU and saves under
-# 256 KiB of gradient; a torch optimizer steps such tensors in one batched launch. LoRA
-# adapters of rank <= 8 on a 4096 model fall below; pass min_params=0 to fuse them anyway.
+# 256 KiB of gradient; a torch optimizer steps such tensors in one batched launch.
+# PEFT adapters (LoRA's lora_A / lora_B, ...) stay on the ordinary path too while
+# min_params > 0, whatever their size: their gradients are a few MiB, formed after the
+# step's memory peak, and a fused step over rank-r rows is slower (H200, all-linear LoRA,
+# rank 8 to 64: the same peak, 8 to 128% longer steps; README "LoRA and PEFT").
 DEFAULT_MIN_PARAMS = 1 << 16
 
 # Skip reasons (PatchReport.skipped[i].reason); each skipped tensor is stepped by the
@@ -39,13 +47,32 @@ TIED = "tied"                      # same Parameter as an input embedding (tie_w
 SHARED = "shared"                  # same Parameter in more than one module (or module registered twice)
 EXPERT_TENSOR = "expert_tensor"    # 3-D MoE expert weights: not a linear module
 LIGER_LM_HEAD = "liger_lm_head"    # Liger's fused linear cross-entropy reads lm_head.weight itself
+TRL_LM_HEAD = "trl_lm_head"        # TRL's fused LM head (chunked log-probs) reads lm_head.weight itself
+ADAPTER = "adapter"                # a PEFT adapter linear while min_params > 0 (DEFAULT_MIN_PARAMS)
 EXCLUDED = "excluded"              # matches an exclude pattern
 NOT_INCLUDED = "not_included"      # include was given and matches it not
 BELOW_MIN_PARAMS = "below_min_params"
 UNSUPPORTED = "unsupported"        # a subclass with its own forward, fp16 weight, ...
+FELL_BACK = "fell_back"            # fused, then switched to the ordinary path while training (PatchReport.fell_back)
 
 PLAIN_TYPES = (nn.Linear, Conv1D)
 FUSED_TYPES = {nn.Linear: ForgeLinear, Conv1D: ForgeConv1D}
+
+# Subclasses whose own forward is exactly their parent's map, read in transformers 5.24
+# (an AST walk over models/*/modeling_*.py for nn.Linear / Conv1D subclasses). Each is
+# trained against an unpatched twin in tests/test_patch_models.py. Subclasses that do not
+# override forward at all (EsmFoldLinear: only its initialisation differs) need no entry.
+LINEAR_MAP_SUBCLASSES = {
+    "transformers.models.falcon.modeling_falcon.FalconLinear": nn.Linear,  # input @ weight.T (+ bias)
+}
+
+# Modules that replace a model's forward and read its output head's weight directly:
+# the defining package's name -> (skip reason, detail).
+HEAD_READERS = {
+    "liger_kernel": (LIGER_LM_HEAD, "Liger's fused linear cross-entropy reads its weight and computes its gradient"),
+    "trl": (TRL_LM_HEAD, "TRL's fused LM head reads its weight and computes its gradient (the trainers' "
+                         "chunked log-probs, which never build the logits)"),
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +103,7 @@ class PatchReport:
     rounding: str
     fused: list[FusedModule] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    fell_back: list[Skipped] = field(default_factory=list)  # reason FELL_BACK, detail: the layer's reason
 
     @property
     def fused_params(self) -> int:
@@ -93,19 +121,35 @@ class PatchReport:
         """Skipped name -> reason."""
         return {s.name: s.reason for s in self.skipped}
 
-    def __str__(self) -> str:
-        head = (f"forge patch: {len(self.fused)} modules fused ({self.fused_params:,} parameters, "
-                f"{_size(self.gradient_bytes_saved)} of gradients never allocated), "
+    def update_fallbacks(self, model: nn.Module) -> list[Skipped]:
+        """Move the fused modules of ``model`` that have switched to the ordinary path
+        (FusedWeightMixin.forge_fall_back) from ``fused`` to ``fell_back``; returns those
+        moved now. ``model`` is the one patch_model was given."""
+        modules = dict(model.named_modules())
+        moved = [m for m in self.fused if getattr(modules.get(m.name), "forge_enabled", True) is False]
+        for m in moved:
+            self.fused.remove(m)
+            reason = getattr(modules[m.name], "forge_fallback_reason", "fusion was switched off")
+            self.fell_back.append(Skipped(m.name, m.kind, m.shape, FELL_BACK, reason))
+        return self.fell_back[len(self.fell_back) - len(moved):]
+
+    def summary(self) -> str:
+        """The first line of ``str(report)``."""
+        fell_back = f", {len(self.fell_back)} fell back" if self.fell_back else ""
+        return (f"forge patch: {len(self.fused)} modules fused ({self.fused_params:,} parameters, "
+                f"{_size(self.gradient_bytes_saved)} of gradients never allocated){fell_back}, "
                 f"{len(self.skipped)} skipped; optimizer={self.optimizer}, "
                 f"state_precision={self.state_precision}, rounding={self.rounding}")
+
+    def __str__(self) -> str:
         fused = [(m.name, m.kind, " x ".join(map(str, m.shape)), f"{m.params:,}") for m in self.fused]
-        skipped = [(s.name, s.kind, " x ".join(map(str, s.shape)), f"{s.reason}: {s.detail}")
-                   for s in self.skipped]
-        parts = [head]
+        parts = [self.summary()]
         if fused:
             parts.append(_table(("fused", "kind", "shape (out x in)", "params"), fused))
-        if skipped:
-            parts.append(_table(("skipped", "kind", "shape", "reason"), skipped))
+        for title, entries in (("fell back", self.fell_back), ("skipped", self.skipped)):
+            rows = [(s.name, s.kind, " x ".join(map(str, s.shape)), f"{s.reason}: {s.detail}") for s in entries]
+            if rows:
+                parts.append(_table((title, "kind", "shape", "reason"), rows))
         return "\n\n".join(parts)
 
 
@@ -170,18 +214,43 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
     return owners
 
 
-def _liger_heads(model: nn.Module) -> set[int]:
-    """ids of the linears inside output heads whose model forward is Liger's fused linear
-    cross-entropy (it reads lm_head.weight and computes its gradient without the module)."""
-    heads: set[int] = set()
+def _defined_in(function) -> str:
+    """The module whose code ``function`` is: functools.wraps copies the wrapped
+    function's ``__module__`` (TRL's fused head wraps the model's own forward)."""
+    function = getattr(function, "__func__", function)
+    return str(getattr(function, "__globals__", {}).get("__name__") or getattr(function, "__module__", ""))
+
+
+def _read_heads(model: nn.Module) -> dict[int, tuple[str, str]]:
+    """id(linear) -> (reason, detail) for the linears inside output heads whose model
+    forward was replaced by one that reads the head's weight and computes its gradient
+    without calling the module (HEAD_READERS)."""
+    heads: dict[int, tuple[str, str]] = {}
     for module in model.modules():
-        forward = module.__dict__.get("forward", type(module).forward)
-        if not str(getattr(forward, "__module__", "")).startswith("liger_kernel"):
-            continue
+        package = _defined_in(module.__dict__.get("forward", type(module).forward)).partition(".")[0]
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
-        if head is not None:
-            heads.update(id(m) for m in head.modules() if isinstance(m, nn.Linear))
+        if package in HEAD_READERS and head is not None:
+            heads.update((id(m), HEAD_READERS[package]) for m in head.modules() if isinstance(m, nn.Linear))
     return heads
+
+
+def _adapters(model: nn.Module) -> set[int]:
+    """ids of the linears inside PEFT tuner layers' adapter containers (``lora_A``,
+    ``lora_B``, ...: each tuner layer names them in ``adapter_layer_names``). Trained full
+    copies (``modules_to_save``: not a tuner layer) are not adapters."""
+    if "peft" not in sys.modules:  # a model with adapters has imported it
+        return set()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for attr in module.adapter_layer_names:
+            container = getattr(module, attr, None)
+            if isinstance(container, nn.Module):
+                found.update(id(m) for m in container.modules() if isinstance(m, PLAIN_TYPES))
+    return found
 
 
 def _kind(module: nn.Module) -> str:
@@ -194,14 +263,19 @@ def _out_in(module: nn.Module) -> tuple[int, int]:
 
 
 def _plain_type(module: nn.Module) -> type | None:
-    """nn.Linear or Conv1D when ``module`` is exactly one (or its fused twin)."""
+    """nn.Linear or Conv1D when ``module`` computes exactly its map: one of them, its fused
+    twin, a subclass that keeps its forward, or one of LINEAR_MAP_SUBCLASSES."""
+    cls = type(module)
     for plain, fused in FUSED_TYPES.items():
-        if type(module) in (plain, fused):
+        if cls in (plain, fused):
+            return plain
+        if issubclass(cls, plain) and (cls.forward is plain.forward
+                                       or f"{cls.__module__}.{cls.__qualname__}" in LINEAR_MAP_SUBCLASSES):
             return plain
     return None
 
 
-def _skip_reason(name, module, *, include, exclude, owners, embeddings, liger_heads, min_params):
+def _skip_reason(name, module, *, include, exclude, owners, embeddings, read_heads, adapters, min_params):
     """(reason, detail) when ``module`` must not be fused, else None."""
     if include and _first_match(name, include) is None:
         return NOT_INCLUDED, f"matches no include pattern {include}"
@@ -218,17 +292,20 @@ def _skip_reason(name, module, *, include, exclude, owners, embeddings, liger_he
         return TIED, f"weight tied to the input embedding {embeddings[id(w)]}"
     if others:
         return SHARED, f"weight also belongs to {', '.join(others)}"
-    if id(module) in liger_heads:
-        return LIGER_LM_HEAD, "Liger's fused linear cross-entropy reads its weight and computes its gradient"
+    if id(module) in read_heads:
+        return read_heads[id(module)]
     if _plain_type(module) is None:
-        return UNSUPPORTED, (f"{type(module).__name__} is a subclass with its own forward; only exact "
-                             "nn.Linear / Conv1D are fused")
+        return UNSUPPORTED, (f"{type(module).__name__} is a subclass with its own forward; only nn.Linear / "
+                             "Conv1D and the subclasses known to compute their plain map are fused")
     if "forward" in module.__dict__:
         return UNSUPPORTED, "forward is replaced on the instance (an accelerate/offload hook?)"
     if parametrize.is_parametrized(module):
         return UNSUPPORTED, "the weight is parametrized"
     if w.dtype not in WEIGHT_DTYPES:
         return UNSUPPORTED, f"weight dtype {w.dtype} is not supported: use float32 (autocast) or bfloat16 weights"
+    if min_params and id(module) in adapters:
+        return ADAPTER, (f"a PEFT adapter (rank {min(w.shape)}): its small gradient is formed after the step's "
+                         "memory peak, and the ordinary step is faster; min_params=0 fuses it")
     if w.numel() < min_params:
         return BELOW_MIN_PARAMS, f"{w.numel():,} weights < min_params={min_params:,}"
     return None
@@ -254,6 +331,10 @@ def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
 
 
 def _release(layer: nn.Module) -> nn.Module:
+    """The plain module back, of the class it had before patching (FalconLinear, ...)."""
+    plain = layer.__dict__.get("forge_plain_class")
+    if plain is not None:
+        return layer.forge_release(plain)
     return layer.to_conv1d() if isinstance(layer, ForgeConv1D) else layer.to_linear()
 
 
@@ -267,10 +348,10 @@ def patch_model(model: nn.Module, optimizer: str = "adamw", state_precision: str
     """Replace every eligible linear of ``model`` by its fused twin (same Parameter objects).
 
     ``include`` / ``exclude``: a pattern or a list of them (module docstring); with
-    ``include`` only matching modules are considered. ``min_params``: smaller weights stay
-    on the ordinary optimizer. ``hyperparameters`` (lr, betas, ...) as in
-    ``ForgeLinear.from_linear``. Layers get consecutive ``layer_index`` values, so their
-    stochastic-rounding streams differ.
+    ``include`` only matching modules are considered. ``min_params``: smaller weights, and
+    PEFT adapters, stay on the ordinary optimizer; 0 fuses them all. ``hyperparameters``
+    (lr, betas, ...) as in ``ForgeLinear.from_linear``. Layers get consecutive
+    ``layer_index`` values, so their stochastic-rounding streams differ.
 
     Patching again keeps already-fused modules with their state (it refuses a different
     optimizer, state_precision or rounding: unpatch_model first); one that the new
@@ -294,9 +375,9 @@ def patch_model(model: nn.Module, optimizer: str = "adamw", state_precision: str
     _check_patterns(include, "include", names, model)
     _check_patterns(exclude, "exclude", names, model)
 
-    facts = dict(include=include, exclude=exclude, owners=_owners(model), liger_heads=_liger_heads(model),
-                 embeddings={id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)},
-                 min_params=min_params)
+    facts = dict(include=include, exclude=exclude, owners=_owners(model), read_heads=_read_heads(model),
+                 adapters=_adapters(model), min_params=min_params,
+                 embeddings={id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)})
     decisions = [(n, m, _skip_reason(n, m, **facts)) for n, m in linears]
 
     wanted = (rule.name, state_precision, rounding)
@@ -322,11 +403,14 @@ def patch_model(model: nn.Module, optimizer: str = "adamw", state_precision: str
             report.skipped.append(Skipped(name, _kind(module), _out_in(module), *skip))
             continue
         if not isinstance(module, FusedWeightMixin):
-            fused_cls = FUSED_TYPES[_plain_type(module)]
-            module = fused_cls.forge_adopt(module, optimizer=rule.name, state_precision=state_precision,
-                                           rounding=rounding, seed=seed, layer_index=next_index,
-                                           backend=backend, **hyperparameters)
+            plain = _plain_type(module)
+            original = type(module)
+            module = FUSED_TYPES[plain].forge_adopt(module, optimizer=rule.name, state_precision=state_precision,
+                                                    rounding=rounding, seed=seed, layer_index=next_index,
+                                                    backend=backend, **hyperparameters)
             module.forge_name = name
+            if original is not plain:
+                module.forge_plain_class = original  # unpatch_model restores it
             next_index += 1
             _set_child(model, name, module)
         w = module.weight
@@ -335,10 +419,22 @@ def patch_model(model: nn.Module, optimizer: str = "adamw", state_precision: str
     report.skipped.extend(_expert_tensors(model))
 
     if not report.fused:
-        hint = " (pass min_params=0 to fuse small layers)" if any(
-            s.reason == BELOW_MIN_PARAMS for s in report.skipped) else ""
-        warnings.warn(f"patch_model fused no module of {type(model).__name__}{hint}:\n{report}", stacklevel=2)
+        warnings.warn(f"patch_model fused no module of {type(model).__name__}{_nothing_fused_hint(report)}: "
+                      f"skipped {_reason_counts(report)}; print the returned report for each module's reason",
+                      stacklevel=2)
     return report
+
+
+def _reason_counts(report: PatchReport) -> str:
+    counts = Counter(s.reason for s in report.skipped)
+    return ", ".join(f"{n} {reason}" for reason, n in counts.most_common()) or "nothing"
+
+
+def _nothing_fused_hint(report: PatchReport) -> str:
+    reasons = {s.reason for s in report.skipped}
+    if ADAPTER in reasons:
+        return " (pass min_params=0 to fuse small layers and PEFT adapters)"
+    return " (pass min_params=0 to fuse small layers)" if BELOW_MIN_PARAMS in reasons else ""
 
 
 def unpatch_model(model: nn.Module) -> list[str]:
