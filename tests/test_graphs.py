@@ -1,6 +1,6 @@
 """GraphedStep: a training step replayed as one CUDA graph computes what the eager step
-computes. On CPU: the argument table's host work (counters, learning rates, errors) and
-the input checks; on a GPU: graphed against eager training, bit for bit."""
+computes. On CPU: the input checks (the argument table's host work is tested in
+test_launch_args.py); on a GPU: graphed against eager training, bit for bit."""
 
 from types import SimpleNamespace
 
@@ -11,75 +11,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import forge_hf
-from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, next_launch_args, pack_args
+from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
-from forge_hf.core.state import ForgeState
 from forge_hf.nn.loss import causal_lm_loss
 from forge_hf.optim.graphs import GraphedStep, captured_addresses, check_batch
 
 VOCAB, SEQ = 96, 24
-
-
-def _states(rule, n):
-    return [ForgeState(rule, "fp32") for _ in range(n)]
-
-
-@pytest.mark.parametrize("rule_name", ["adamw", "nadam"])
-def test_the_table_holds_the_eager_arguments_step_after_step(rule_name):
-    """Rows recorded in a capture, refreshed before each replay, equal the arguments the
-    eager step packs: same counters (NAdam's running product too), the current lr."""
-    rule = get_rule(rule_name)
-    group = make_group(rule, dict(lr=1e-3, weight_decay=0.1))
-    eager, captured = _states(rule, 3), _states(rule, 3)
-    table = ArgsTable(capacity=5, device="cpu")
-    with table.recording():
-        rows = [next_launch_args(rule, group, s, salt=11 * i, device="cpu", row0=i) for i, s in enumerate(captured)]
-    assert [s.step for s in captured] == [0, 0, 0]  # a capture runs no step
-    assert all(r.data_ptr() == table.device_rows[i].data_ptr() for i, r in enumerate(rows))
-    assert all(r.data_ptr() % 16 == 0 for r in rows)  # as fresh tensors: the same compiled kernels
-    for step in range(1, 5):
-        group["lr"] = 1e-3 / step  # a scheduler between steps
-        table.refresh()
-        for i, (s, row) in enumerate(zip(eager, rows)):
-            expected = next_launch_args(rule, group, s, salt=11 * i, device="cpu", row0=i)
-            assert torch.equal(row, expected), f"step {step}, row {i}"
-        assert [s.step for s in captured] == [step] * 3
-        assert [s.host for s in captured] == [s.host for s in eager]
-
-
-def test_a_bad_hyperparameter_at_refresh_moves_no_counter():
-    rule = get_rule("adamw")
-    good, bad = make_group(rule, dict(lr=1e-3)), make_group(rule, dict(lr=1e-3))
-    states = _states(rule, 2)
-    table = ArgsTable(capacity=2, device="cpu")
-    with table.recording():
-        next_launch_args(rule, good, states[0], 1, "cpu")
-        next_launch_args(rule, bad, states[1], 2, "cpu")
-    table.refresh()
-    bad["betas"] = (0.3, 0.999)
-    with pytest.raises(ValueError, match="0.7"):
-        table.refresh()
-    assert [s.step for s in states] == [1, 1]  # neither moved: the step was not run
-    bad["betas"] = (0.9, 0.999)
-    table.refresh()
-    assert [s.step for s in states] == [2, 2]
-
-
-def test_the_table_refuses_more_rows_than_its_capacity_and_nested_captures():
-    rule = get_rule("adamw")
-    group, (state,) = make_group(rule, {}), _states(rule, 1)
-    table = ArgsTable(capacity=1, device="cpu")
-    with table.recording():
-        next_launch_args(rule, group, state, 0, "cpu")
-        with pytest.raises(RuntimeError, match="more than 1 rule steps"):
-            next_launch_args(rule, group, state, 0, "cpu")
-        with pytest.raises(RuntimeError, match="cannot be nested"):
-            with ArgsTable(1, "cpu").recording():
-                pass
-    assert table.device_rows.shape == (1, ARGS_LEN)
-    # outside a capture the eager path is back
-    expected = pack_args(rule.prepare(group, dict(state.host, step=0)), 1, 0, "cpu")
-    assert torch.equal(next_launch_args(rule, group, state, 0, "cpu"), expected)
 
 
 def test_a_batch_must_match_the_captured_inputs():

@@ -168,14 +168,6 @@ def test_launcher_refuses_metadata_in_another_layout():
     assert torch.equal(layer.weight, before)
 
 
-def test_launcher_refuses_an_unknown_launch_option():
-    layer = _trained("bf16", "reference", steps=1)
-    with pytest.raises(TypeError, match=r"unknown launch option\(s\) \['num_warp'\].*'num_warps'"):
-        launch_fused_update(torch.randn(4, 130), torch.randn(4, 70), layer.weight.data,
-                            layer.forge_state.kernel_slots(), torch.zeros(14, dtype=torch.int32),
-                            torch.zeros(2), "adamw", True, num_warp=8)
-
-
 def _reloaded(sd):
     buf = io.BytesIO()
     torch.save(sd, buf)

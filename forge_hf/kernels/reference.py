@@ -89,7 +89,8 @@ def reference_rule_rows(rule_name: str, w2: torch.Tensor, g: torch.Tensor, slots
                         consts: list, ok: torch.Tensor, salt: int, step: int, stochastic: bool) -> torch.Tensor:
     """The rule and store for ``rows`` of a 2-D tensor whose gradient ``g`` (those rows, fp32)
     exists: ForgeOptimizer's non-fused parameters, a chunk of rows at a time. Nothing is
-    written where ``ok`` (a 0-dim bool) is false. Returns the rows' squared gradient sum."""
+    written to fp32 or bf16 slots where ``ok`` (a 0-dim bool) is false; 8-bit slots cannot be
+    masked, so the caller skips a non-finite gradient before. Returns the rows' squared sum."""
     values = [g.new_zeros(()) if s is None else s.read(rows) if isinstance(s, QuantisedSlot)
               else s[rows].float() for s in slots]
     outs = RULE_UPDATES[rule_name](w2[rows].float(), g, *values, *consts)

@@ -1,0 +1,180 @@
+"""Which code performs a fused step (forge_hf/kernels/dispatch.py): the backend names and
+their errors, a bound launch giving what the backend gives when called directly, and the
+choice between the persistent Gluon kernel and the Triton kernel."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import exact_inputs
+
+from forge_hf.core.launch_args import pack_args
+from forge_hf.core.rules import get_rule, make_group
+from forge_hf.core.state import ForgeState
+from forge_hf.kernels import dispatch
+from forge_hf.kernels.dispatch import (
+    BACKENDS,
+    bind_fused_update,
+    check_backend,
+    launch_fused_update,
+    resolve_backend,
+)
+from forge_hf.kernels.reference import reference_fused_update
+
+CPU = torch.device("cpu")
+
+
+def test_backend_names_and_an_unknown_one():
+    assert BACKENDS == ("auto", "triton", "reference")
+    assert [check_backend(b) for b in BACKENDS] == list(BACKENDS)
+    with pytest.raises(ValueError, match=r"unknown backend='gluon': choose one of \['auto', 'triton', 'reference'\]"):
+        check_backend("gluon")
+    with pytest.raises(ValueError, match="unknown backend='cuda'"):
+        resolve_backend("cuda", CPU)
+    with pytest.raises(ValueError, match="unknown backend='Reference'"):  # names are exact
+        bind_fused_update("Reference", torch.zeros(2, 2), [None] * 3, torch.zeros(2), "adamw", True)
+
+
+def test_cpu_weights_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("reference", CPU) is reference_fused_update
+    assert resolve_backend("triton", CPU) is launch_fused_update
+    assert resolve_backend("auto", CPU) is launch_fused_update
+
+
+def test_auto_takes_the_reference_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve_backend("auto", CPU) is reference_fused_update
+    assert resolve_backend("reference", CPU) is reference_fused_update
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused_in_a_fresh_process():
+    """In a process where TRITON_INTERPRET was never set (Triton's kernels, if imported,
+    were made for a GPU) a CPU weight with backend='triton' gets the one-line fix."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import torch\n"
+            "from forge_hf.kernels.dispatch import resolve_backend, reference_fused_update\n"
+            "assert resolve_backend('auto', torch.device('cpu')) is reference_fused_update\n"
+            "resolve_backend('triton', torch.device('cpu'))\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode != 0
+    assert ("RuntimeError: backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
+            "the weight is on cpu: use backend='auto' or 'reference'") in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------ a bound launch
+
+
+def _layer(precision="bf16", n=70, k=130, device=CPU):
+    rule = get_rule("adamw")
+    group = make_group(rule, dict(lr=1e-2, weight_decay=0.1))
+    w = torch.linspace(-0.5, 0.5, n * k, device=device).view(n, k).to(torch.bfloat16)
+    state = ForgeState(rule, precision, transposed=False)
+    state.allocate(w, group)
+    return w, state, rule, group
+
+
+def _steps(launch_for, precision, device=CPU, steps=2, n=70, k=130, tokens=33):
+    """Weight, states and statistics after ``steps`` launches of ``launch_for(weight,
+    slots, stats)`` on the same inputs."""
+    w, state, rule, group = _layer(precision, n, k, device)
+    stats = torch.zeros(2, device=device)
+    launch = launch_for(w, state.kernel_slots(), stats)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(steps):
+        x, dy = exact_inputs((tokens, k), n, dtype=torch.bfloat16, device=device, generator=gen)
+        launch(x, dy, pack_args(rule.prepare(group, state.host), state.step, 21, device), stats)
+    stored = [t for s in state.slots if s is not None for t in ((s.codes, s.meta) if hasattr(s, "codes") else (s,))]
+    return [w, *stored, stats]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("backend,direct", [("reference", reference_fused_update), ("triton", launch_fused_update)])
+def test_a_bound_launch_gives_the_backends_result(backend, direct, precision, device):
+    bound = _steps(lambda w, slots, stats: bind_fused_update(backend, w, slots, stats, "adamw", True), precision,
+                   device)
+    called = _steps(lambda w, slots, stats: lambda x, dy, args, st: direct(x, dy, w, slots, args, st, "adamw", True),
+                    precision, device)
+    untouched = _steps(lambda w, slots, stats: lambda *step: None, precision, device)
+    for a, b, before in zip(bound, called, untouched):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, before)  # the launches did step
+
+
+def test_launch_fused_update_refuses_an_unknown_launch_option():
+    w, state, rule, group = _layer("bf16")
+    before = w.clone()
+    args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
+    with pytest.raises(TypeError, match=r"unknown launch option\(s\) \['num_warp', 'stages'\]: the fused kernel "
+                                        r"takes \['maxnreg', 'num_stages', 'num_warps'\]"):
+        launch_fused_update(torch.zeros(4, 130), torch.zeros(4, 70), w, state.kernel_slots(), args, torch.zeros(2),
+                            "adamw", True, num_warp=8, stages=2)
+    assert torch.equal(w, before)
+
+
+# ------------------------------------------------------- the Gluon-or-Triton choice
+
+
+class _Recorder:
+    """Stands in for a launcher: notes which one ran."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __call__(self, *args, **kwargs):
+        self.log.append(self.name)
+
+
+def test_the_persistent_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monkeypatch):
+    """On a GPU the persistent kernel can run (stood in for on CPU): a bf16 weight whose
+    sides are multiples of 64 goes to it while its tokens suit it, to the Triton kernel
+    when they do not; another weight, or FORGE_HF_KERNEL=triton, never goes to it."""
+    from forge_hf.kernels import fused_update, persistent_launch
+
+    log = []
+    monkeypatch.setattr(fused_update, "INTERPRETER", False)
+    monkeypatch.setattr(dispatch, "launch_fused_update", _Recorder("triton", log))
+    monkeypatch.setattr(persistent_launch, "PersistentLaunch",
+                        lambda *args: _Recorder("persistent", log))
+    cpu_says = persistent_launch.device_unsupported
+
+    def hopper_says(device):  # the device check as on a Hopper GPU: only the environment switch refuses
+        reason = cpu_says(device)
+        return reason if reason == "FORGE_HF_KERNEL=triton" else None
+
+    monkeypatch.setattr(persistent_launch, "device_unsupported", hopper_says)
+
+    def launches(w, state, x_dtype):
+        launch = bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
+        x, dy = torch.zeros(64, w.shape[1], dtype=x_dtype), torch.zeros(64, w.shape[0], dtype=x_dtype)
+        launch(x, dy, torch.zeros(15, dtype=torch.int32), torch.zeros(2))
+        return log.pop()
+
+    w, state, *_ = _layer("bf16", 128, 192)
+    assert launches(w, state, torch.bfloat16) == "persistent"
+    assert launches(w, state, torch.float32) == "triton"  # tokens it cannot read: the same bound launch falls back
+    w, state, *_ = _layer("bf16", 70, 130)
+    assert launches(w, state, torch.bfloat16) == "triton"  # sides not multiples of 64
+    w, state, *_ = _layer("fp32", 128, 192)
+    assert launches(w, state, torch.bfloat16) == "triton"  # fp32 states
+    monkeypatch.setenv("FORGE_HF_KERNEL", "triton")
+    w, state, *_ = _layer("bf16", 128, 192)
+    assert launches(w, state, torch.bfloat16) == "triton"
+    assert log == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the persistent kernel needs a Hopper GPU")
+def test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits():
+    cuda = torch.device("cuda")
+    bound = _steps(lambda w, slots, stats: bind_fused_update("triton", w, slots, stats, "adamw", True), "bf16",
+                   cuda, n=128, k=192, tokens=100)
+    pinned = _steps(lambda w, slots, stats: lambda x, dy, args, st: launch_fused_update(
+        x, dy, w, slots, args, st, "adamw", True, blocks=(64, 64, 64)), "bf16", cuda, n=128, k=192, tokens=100)
+    for a, b in zip(bound, pinned):
+        assert torch.equal(a, b)

@@ -1,0 +1,152 @@
+"""The kernels' per-step arguments (forge_hf/core/launch_args.py): the argument words (fp32
+bit patterns of the rule's constants, then step, salt and first row as int32), the eager
+arguments that advance a state by one step, and the table a captured step records and
+refreshes before every replay."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, args_words, next_launch_args, pack_args
+from forge_hf.core.rules import NUM_SCALARS, get_rule, make_group
+from forge_hf.core.state import ForgeState
+
+SCALARS = [1e-3, -0.0, 0.1, 1 / 3, 3.0e38, -1.5, 2.0**-130, float("inf"), 0.9, 0.999, 1e-8, -7.0]
+
+
+def test_args_words_are_fp32_bit_patterns_then_int32_integers():
+    words = args_words(SCALARS, step=7, salt=0xDEADBEEF, row0=4096)
+    assert len(words) == ARGS_LEN == NUM_SCALARS + 3
+    # each constant rounded to fp32 (1e-3, 1/3, a subnormal), its bits read as int32
+    assert words[:NUM_SCALARS] == np.array(SCALARS, dtype=np.float32).view(np.int32).tolist()
+    assert words[NUM_SCALARS:] == [7, 0xDEADBEEF - 2**32, 4096]
+    assert all(-(2**31) <= w < 2**31 for w in words)
+
+
+@pytest.mark.parametrize("value,word", [(0, 0), (2**31 - 1, 2**31 - 1), (2**31, -(2**31)), (2**32 - 1, -1),
+                                        (2**32 + 5, 5), (-1, -1)])
+def test_integers_keep_their_low_32_bits(value, word):
+    """The kernels read step and salt back as uint32 (so 2**31 and above survive) and
+    row0 as int32."""
+    assert args_words([0.0] * NUM_SCALARS, value, value, value)[NUM_SCALARS:] == [word] * 3
+
+
+def test_a_rule_with_another_number_of_constants_is_refused():
+    with pytest.raises(ValueError, match=f"a rule returned 11 constants; the kernels take {NUM_SCALARS}"):
+        args_words([0.0] * 11, 1, 0)
+
+
+def test_pack_args_is_one_int32_tensor_of_the_words():
+    args = pack_args(SCALARS, 3, 2**31 + 1, "cpu", row0=64)
+    assert args.dtype == torch.int32 and args.shape == (ARGS_LEN,) and args.device.type == "cpu"
+    assert args.tolist() == args_words(SCALARS, 3, 2**31 + 1, 64)
+    assert torch.equal(args[:NUM_SCALARS].view(torch.float32), torch.tensor(SCALARS, dtype=torch.float32))
+    assert struct.pack("<i", int(args[NUM_SCALARS + 1])) == struct.pack("<I", 2**31 + 1)
+
+
+@pytest.mark.parametrize("rule_name", ["adamw", "nadam"])
+def test_next_launch_args_advance_the_state_by_one_step(rule_name):
+    """Eagerly each call is one step: the state's counters move (NAdam's running product
+    too) and the words carry that step's constants, with the lr current at the call."""
+    rule = get_rule(rule_name)
+    group = make_group(rule, dict(lr=1e-3))
+    state, shadow = ForgeState(rule, "fp32"), rule.host_init()
+    for step in range(1, 4):
+        group["lr"] = 1e-3 * step
+        args = next_launch_args(rule, group, state, salt=9, device="cpu", row0=2)
+        expected = args_words(rule.prepare(group, shadow), step, 9, 2)
+        assert state.step == step and state.host == shadow
+        assert args.tolist() == expected and args.device.type == "cpu"
+
+
+@pytest.mark.gpu
+def test_eager_arguments_on_a_gpu_refill_one_device_row_per_state():
+    rule = get_rule("adamw")
+    group = make_group(rule, {})
+    a, b = ForgeState(rule, "fp32"), ForgeState(rule, "fp32")
+    first = next_launch_args(rule, group, a, 1, "cuda")
+    assert next_launch_args(rule, group, b, 2, "cuda").data_ptr() != first.data_ptr()
+    second = next_launch_args(rule, group, a, 1, "cuda")
+    assert second.data_ptr() == first.data_ptr() and second.data_ptr() % 16 == 0
+    torch.cuda.synchronize()
+    shadow = rule.host_init()
+    rule.prepare(group, shadow)
+    assert second.tolist() == args_words(rule.prepare(group, shadow), 2, 1)
+
+
+@pytest.mark.gpu
+def test_a_capture_outside_forge_is_refused_before_the_step_moves():
+    rule = get_rule("adamw")
+    group, state = make_group(rule, {}), ForgeState(rule, "fp32")
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="captured into a CUDA graph outside forge_hf's own capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            next_launch_args(rule, group, state, 0, "cuda")
+    assert state.step == 0
+
+
+# ------------------------------------------------------------- the captured step's table
+
+
+def _states(rule, n):
+    return [ForgeState(rule, "fp32") for _ in range(n)]
+
+
+@pytest.mark.parametrize("rule_name", ["adamw", "nadam"])
+def test_the_table_holds_the_eager_arguments_step_after_step(rule_name):
+    """Rows recorded in a capture, refreshed before each replay, equal the arguments the
+    eager step packs: same counters (NAdam's running product too), the current lr."""
+    rule = get_rule(rule_name)
+    group = make_group(rule, dict(lr=1e-3, weight_decay=0.1))
+    eager, captured = _states(rule, 3), _states(rule, 3)
+    table = ArgsTable(capacity=5, device="cpu")
+    with table.recording():
+        rows = [next_launch_args(rule, group, s, salt=11 * i, device="cpu", row0=i) for i, s in enumerate(captured)]
+    assert [s.step for s in captured] == [0, 0, 0]  # a capture runs no step
+    assert all(r.data_ptr() == table.device_rows[i].data_ptr() for i, r in enumerate(rows))
+    assert all(r.data_ptr() % 16 == 0 for r in rows)  # as fresh tensors: the same compiled kernels
+    for step in range(1, 5):
+        group["lr"] = 1e-3 / step  # a scheduler between steps
+        table.refresh()
+        for i, (s, row) in enumerate(zip(eager, rows)):
+            expected = next_launch_args(rule, group, s, salt=11 * i, device="cpu", row0=i)
+            assert torch.equal(row, expected), f"step {step}, row {i}"
+        assert [s.step for s in captured] == [step] * 3
+        assert [s.host for s in captured] == [s.host for s in eager]
+
+
+def test_a_bad_hyperparameter_at_refresh_moves_no_counter():
+    rule = get_rule("adamw")
+    good, bad = make_group(rule, dict(lr=1e-3)), make_group(rule, dict(lr=1e-3))
+    states = _states(rule, 2)
+    table = ArgsTable(capacity=2, device="cpu")
+    with table.recording():
+        next_launch_args(rule, good, states[0], 1, "cpu")
+        next_launch_args(rule, bad, states[1], 2, "cpu")
+    table.refresh()
+    bad["betas"] = (0.3, 0.999)
+    with pytest.raises(ValueError, match="0.7"):
+        table.refresh()
+    assert [s.step for s in states] == [1, 1]  # neither moved: the step was not run
+    bad["betas"] = (0.9, 0.999)
+    table.refresh()
+    assert [s.step for s in states] == [2, 2]
+
+
+def test_the_table_refuses_more_rows_than_its_capacity_and_nested_captures():
+    rule = get_rule("adamw")
+    group, (state,) = make_group(rule, {}), _states(rule, 1)
+    table = ArgsTable(capacity=1, device="cpu")
+    with table.recording():
+        next_launch_args(rule, group, state, 0, "cpu")
+        with pytest.raises(RuntimeError, match="more than 1 rule steps"):
+            next_launch_args(rule, group, state, 0, "cpu")
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with ArgsTable(1, "cpu").recording():
+                pass
+    assert table.device_rows.shape == (1, ARGS_LEN)
+    # outside a capture the eager path is back
+    expected = pack_args(rule.prepare(group, dict(state.host, step=0)), 1, 0, "cpu")
+    assert torch.equal(next_launch_args(rule, group, state, 0, "cpu"), expected)
