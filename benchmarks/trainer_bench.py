@@ -13,7 +13,8 @@ Every arm: bf16 weights, SDPA attention, packed batches of random tokens, max_gr
 (forge cannot clip; the fused-AdamW arms do not clip either, their fastest setting), a
 callback that synchronises and times each step; the median over the steps after the warm-up,
 with the interquartile range, and the arm's peak allocated memory (statistics reset, caches
-emptied between arms). Rows go to the results table (results_table.py).
+emptied between arms). Each arm's row goes to the results table (results_table.py) as the
+arm ends.
 
     python benchmarks/trainer_bench.py --models llama-3.1-8b --batches 1x512 --arms adamw_fused,forge
 """
@@ -126,11 +127,11 @@ def main() -> None:
                     row.update(step_ms="", spread_ms="", peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                                note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                 print(json.dumps(row), flush=True)
+                append_rows([row], opts.table)  # each arm as it ends: a later arm may run out of time
                 rows.append(row)
                 gc.collect()
                 torch.cuda.empty_cache()
                 torch._dynamo.reset()
-    append_rows(rows, opts.table)
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(rows, f, indent=1)
