@@ -86,16 +86,18 @@ def reference_fused_update(
 
 
 def reference_rule_rows(rule_name: str, w2: torch.Tensor, g: torch.Tensor, slots: list, rows: slice,
-                        consts: list, ok: torch.Tensor, salt: int, step: int, stochastic: bool) -> torch.Tensor:
+                        consts: list, ok: torch.Tensor, salt: int, step: int, stochastic: bool,
+                        row0: int = 0) -> torch.Tensor:
     """The rule and store for ``rows`` of a 2-D tensor whose gradient ``g`` (those rows, fp32)
-    exists: ForgeOptimizer's non-fused parameters, a chunk of rows at a time. Nothing is
+    exists: ForgeOptimizer's non-fused parameters, a chunk of rows at a time; ``row0`` is the
+    tensor's first row in the whole parameter (an FSDP2 shard), for the rounding bits. Nothing is
     written to fp32 or bf16 slots where ``ok`` (a 0-dim bool) is false; 8-bit slots cannot be
     masked, so the caller skips a non-finite gradient before. Returns the rows' squared sum."""
     values = [g.new_zeros(()) if s is None else s.read(rows) if isinstance(s, QuantisedSlot)
               else s[rows].float() for s in slots]
     outs = RULE_UPDATES[rule_name](w2[rows].float(), g, *values, *consts)
     n_cols = w2.shape[1]
-    r = torch.arange(rows.start, rows.stop, device=w2.device)
+    r = torch.arange(row0 + rows.start, row0 + rows.stop, device=w2.device)  # rows of the whole tensor
     elem = r[:, None] * n_cols + torch.arange(n_cols, device=w2.device)[None, :]  # the kernels' element index
     for slot_id, (dst, value) in enumerate(zip([w2, *slots], outs)):
         if dst is None:

@@ -4,16 +4,15 @@ forge's step.
 
 Under ``torch.compiler.is_compiling()`` a fused layer's forward is one call of
 
-* ``forge_hf::fused_linear(x, anchor, bias, layer_id) -> (y, tag)``, whose autograd
-  formula calls
-* ``forge_hf::fused_linear_backward(x, dy, tag, layer_id, need_dx) -> dx``: dX from the
-  weight before its update, then the layer's fused step (``forge_consume_gradient``).
+* ``forge_hf::fused_linear(x, anchor, bias, n_out) -> (y, tag)``, whose autograd formula
+  calls
+* ``forge_hf::fused_linear_backward(x, dy, anchor, tag, need_dx) -> (dx, d_anchor)``: dX
+  from the weight before its update, then the layer's fused step (``forge_consume_gradient``).
 
 Both run as opaque Python when the compiled graph runs, so the bookkeeping that cannot be
-traced happens there: the layer is found by ``layer_id`` in a registry of weak
-references; the forward notes the call (data-parallel row wait and token count); the
-backward checks the layer's consumers and steps it. The eager path (FusedWeightFunction)
-is unchanged.
+traced happens there: the forward notes the call (data-parallel row wait and token
+count), the backward checks the layer's consumers and steps it. The eager path
+(FusedWeightFunction) is unchanged.
 
 Why the graph stays correct:
 
@@ -21,89 +20,93 @@ Why the graph stays correct:
   FusedWeightFunction does. No traced op reads or writes it, so nothing can be reordered
   around its in-place update, and the compiled graph hands it no (empty) gradient, which
   would run its post-accumulate-grad hook as if another consumer had produced one.
-* ``anchor`` (the layer's empty leaf that requires grad) keeps the output in the autograd
-  graph when neither x nor the bias needs a gradient, as in eager.
-* The backward op is registered as an ordered side effect: an unused dx (first layer, no
-  bias) would otherwise let the compiler drop the call, and the weight would silently not
-  be stepped; the order of the fused steps is kept as well.
+* ``anchor`` is the layer's empty leaf that requires grad (``new_anchor``): it keeps the
+  output in the autograd graph when neither x nor the bias needs a gradient, as in eager,
+  and the ops find their layer by it. Being an input of the graph rather than a constant,
+  it leaves compiled code shared by layers of one shape (regional compilation, a second
+  model of the same class) as for plain linears.
+* The backward op's second output is the anchor's (empty) gradient, an output of the
+  compiled backward: the compiler cannot drop the call when dx is unused (first layer, no
+  bias), which would silently leave the weight unstepped.
 * ``tag`` is a fresh empty tensor per forward call, saved for backward and freed with the
   autograd graph: a backward that finds another live tag of its layer knows the module
-  was called more than once in this step (the eager path asks the autograd nodes) and
-  falls back before stepping.
+  was called more than once (the eager path asks the autograd nodes) and falls back
+  before stepping.
 * Both ops carry ``cudagraph_unsafe``: their host-side work (state allocation, launch
   arguments read at each step) must run at each step, not be replayed from a capture.
 """
 
 from __future__ import annotations
 
-import itertools
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._library.effects import EffectType
 
-_LAYERS: dict[int, weakref.ref] = {}  # layer id -> the fused layer
-_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fused layer -> its id
-_NEXT_ID = itertools.count()
-# layer -> its forward calls whose autograd graph is alive: [weak ref to the tag's storage,
-# whether its backward stepped the weight]. The storage, not the tensor: the graph keeps
-# the tag's storage but may save the tag itself as another tensor object.
+# id(anchor's storage) -> (the storage, its layer), both weakly. The storage, not the
+# tensor: a compiled graph passes the anchor on as another tensor object over it.
+_LAYERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# layer -> its forward calls whose autograd graph is alive: [weak ref to the tag's
+# storage, whether its backward stepped the weight]
 _CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-_TAGS_OF_OPS = (torch.Tag.cudagraph_unsafe,)
+_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
-def register_layer(layer: nn.Module) -> int:
-    """The id under which the custom ops find ``layer`` (a copy of a layer gets its own)."""
-    layer_id = _IDS.get(layer)
-    if layer_id is None:
-        layer_id = _IDS[layer] = next(_NEXT_ID)
-        _LAYERS[layer_id] = weakref.ref(layer, lambda _, i=layer_id: _LAYERS.pop(i, None))
-    return layer_id
+def new_anchor(layer: nn.Module) -> Tensor:
+    """An empty leaf that requires grad, on the layer's device, registered as ``layer``'s
+    key for the custom ops (FusedWeightMixin keeps it as ``_forge_anchor``)."""
+    anchor = torch.empty(0, device=layer.weight.device, requires_grad=True)
+    storage = anchor.untyped_storage()
+    key = id(storage)
+    _LAYERS[key] = (weakref.ref(storage, lambda _, k=key: _LAYERS.pop(k, None)), weakref.ref(layer))
+    return anchor
 
 
-def layer_of(layer_id: int) -> nn.Module:
-    ref = _LAYERS.get(layer_id)
-    layer = None if ref is None else ref()
+def layer_of(anchor: Tensor) -> nn.Module:
+    storage = anchor.untyped_storage()
+    entry = _LAYERS.get(id(storage))
+    layer = entry[1]() if entry is not None and entry[0]() is storage else None
     if layer is None:
         raise RuntimeError(
-            f"forge_hf::fused_linear was called for layer id {layer_id}, which belongs to no live fused layer "
-            "(a compiled graph outlived its model): compile the model again (torch._dynamo.reset())")
+            "forge_hf::fused_linear was given an anchor that belongs to no live fused layer: pass the "
+            "layer's own _forge_anchor (made by nn/compiled_linear.new_anchor)")
     return layer
 
 
-@torch.compiler.assume_constant_result
-def _traced_layer_id(layer: nn.Module) -> int:
-    """Run on the real module while torch.compile traces (the graph is guarded on the
-    module's identity): registers it and gives it an anchor on its weight's device."""
-    anchor = layer.__dict__.get("_forge_anchor")
-    if anchor is None or anchor.device != layer.weight.device:
-        layer._forge_anchor = torch.empty(0, device=layer.weight.device, requires_grad=True)
-    return register_layer(layer)
+@torch.compiler.disable
+def _forward_eagerly(layer: nn.Module, x: Tensor) -> Tensor:
+    """A layer without an anchor on its device (a copy, a move): one eager call at a graph
+    break makes one, and the recompiled graph uses the custom ops."""
+    layer.forge_note_call()
+    return layer.forge_forward(x)
 
 
 def compiled_forward(layer: nn.Module, x: Tensor) -> Tensor:
-    """The fused layer's forward as torch.compile traces it (FusedWeightMixin.forge_apply)."""
-    layer_id = _traced_layer_id(layer)
+    """The fused layer's forward as torch.compile traces it (FusedWeightMixin.forge_forward)."""
+    anchor = layer.__dict__.get("_forge_anchor")
+    if anchor is None or anchor.device != x.device:
+        return _forward_eagerly(layer, x)
+    shape = layer.weight.shape  # read as metadata: the weight stays out of the graph
+    n_out = shape[1] if layer.forge_transposed else shape[0]
     device = x.device.type
     if torch.is_autocast_enabled(device):
         # autocast does not reach inside a custom op: cast as it would for linear
         x = x.to(torch.get_autocast_dtype(device))
         with torch.autocast(device, enabled=False):
-            return fused_linear(x, layer._forge_anchor, layer.bias, layer_id)[0]
-    return fused_linear(x, layer._forge_anchor, layer.bias, layer_id)[0]
+            return fused_linear(x, anchor, layer.bias, n_out)[0]
+    return fused_linear(x, anchor, layer.bias, n_out)[0]
 
 
 # ------------------------------------------------------------------ forward op
 
 
-@torch.library.custom_op("forge_hf::fused_linear", mutates_args=(), tags=_TAGS_OF_OPS)
-def fused_linear(x: Tensor, anchor: Tensor, bias: Tensor | None, layer_id: int) -> tuple[Tensor, Tensor]:
-    """y = x W^T + b with W read from the layer; ``tag`` marks this call until its
-    autograd graph is freed."""
-    layer = layer_of(layer_id)
+@torch.library.custom_op("forge_hf::fused_linear", mutates_args=(), tags=_OP_TAGS)
+def fused_linear(x: Tensor, anchor: Tensor, bias: Tensor | None, n_out: int) -> tuple[Tensor, Tensor]:
+    """y = x W^T + b with W read from the anchor's layer; ``tag`` marks this call until
+    its autograd graph is freed."""
+    layer = layer_of(anchor)
     layer.forge_note_call()
     dp = layer.forge_dp
     if dp is not None:
@@ -117,25 +120,23 @@ def fused_linear(x: Tensor, anchor: Tensor, bias: Tensor | None, layer_id: int) 
 
 
 @fused_linear.register_fake
-def _(x, anchor, bias, layer_id):
-    n_out = layer_of(layer_id).forge_weight_view().shape[0]
+def _(x, anchor, bias, n_out):
     return x.new_empty(*x.shape[:-1], n_out), x.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
-    x, _, bias, layer_id = inputs
-    ctx.save_for_backward(x, output[1])  # not the weight: it is overwritten during backward
-    ctx.layer_id = layer_id
+    x, anchor, bias, _ = inputs
+    ctx.save_for_backward(x, anchor, output[1])  # not the weight: it is overwritten during backward
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, dy, _):
-    x, tag = ctx.saved_tensors
+    x, anchor, tag = ctx.saved_tensors
     need_dx, _, need_db = ctx.needs_input_grad[:3]
-    dx = fused_linear_backward(x, dy, tag, ctx.layer_id, need_dx)
-    # db is traced: the compiler may fuse it; the same float32 sum as fused_backward
+    dx, d_anchor = fused_linear_backward(x, dy, anchor, tag, need_dx)
+    # db is traced (the compiler may fuse it): the float32 sum of fused_backward
     db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(ctx.bias_dtype) if need_db else None
-    return (dx if need_dx else None), None, db, None
+    return (dx if need_dx else None), d_anchor, db, None
 
 
 fused_linear.register_autograd(_backward, setup_context=_setup_context)
@@ -144,11 +145,13 @@ fused_linear.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------- backward op
 
 
-@torch.library.custom_op("forge_hf::fused_linear_backward", mutates_args=(), tags=_TAGS_OF_OPS)
-def fused_linear_backward(x: Tensor, dy: Tensor, tag: Tensor, layer_id: int, need_dx: bool) -> Tensor:
+@torch.library.custom_op("forge_hf::fused_linear_backward", mutates_args=(), tags=_OP_TAGS)
+def fused_linear_backward(x: Tensor, dy: Tensor, anchor: Tensor, tag: Tensor,
+                          need_dx: bool) -> tuple[Tensor, Tensor]:
     """dX (empty unless ``need_dx``) from the weight before its update, then the fused step
-    with dY^T X: FusedWeightFunction's backward, consumers checked by the call's tag."""
-    layer = layer_of(layer_id)
+    with dY^T X: FusedWeightFunction's backward, consumers checked by the call's tag. The
+    anchor's gradient is empty."""
+    layer = layer_of(anchor)
     calls = _CALLS.get(layer, ())
     mine = tag.untyped_storage()
     call = next((c for c in calls if c[0]() is mine), None)
@@ -171,16 +174,12 @@ def fused_linear_backward(x: Tensor, dy: Tensor, tag: Tensor, layer_id: int, nee
         stepped = layer.forge_consume_gradient(x.reshape(-1, n_in), dy.reshape(-1, n_out), node=None)
         if call is not None:
             call[1] = stepped
-    return dx
+    return dx, anchor.new_empty(0)
 
 
 @fused_linear_backward.register_fake
-def _(x, dy, tag, layer_id, need_dx):
-    return dy.new_empty(x.shape) if need_dx else dy.new_empty(0)
-
-
-# Never dropped as dead code, never reordered with another fused step.
-torch.library._register_effectful_op("forge_hf::fused_linear_backward", EffectType.ORDERED)
+def _(x, dy, anchor, tag, need_dx):
+    return (dy.new_empty(x.shape) if need_dx else dy.new_empty(0)), anchor.new_empty(0)
 
 
 _ANCHORS: tuple = (None, {})  # (the running compiled backward node, id(leaf) -> its AccumulateGrad)

@@ -22,7 +22,7 @@ from ..core.rounding import layer_salt
 from ..core.rules import get_rule, make_group
 from ..core.state import ForgeState, check_rounding
 from ..kernels.dispatch import bind_fused_update, check_backend
-from .compiled_linear import compiled_forward
+from .compiled_linear import compiled_forward, new_anchor
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -32,7 +32,8 @@ class DataParallelSeam(Protocol):
     tokens of every rank for its weight gradient, the band of rows this rank steps, and
     the updated rows of the others."""
 
-    mode: str  # "sharded": this rank keeps and steps its band of rows; "replicated": all rows
+    mode: str  # "sharded": this rank keeps and steps its band of rows; "replicated": all rows;
+    # "fsdp": FSDP2 shards the weight by rows, its band is this rank's shard (ShardedWeightSeam)
     group: object  # the process group of the layer's replicas
 
     def announce_tokens(self, n_tokens: int) -> None: ...
@@ -40,6 +41,13 @@ class DataParallelSeam(Protocol):
     def rows(self, n_rows: int) -> tuple[int, int]: ...
     def share_rows(self, weight: torch.Tensor) -> None: ...
     def wait(self) -> None: ...
+
+
+class ShardedWeightSeam(DataParallelSeam, Protocol):
+    """Mode "fsdp" (optim/fsdp.py): the layer's weight in backward is a gathered copy; the
+    rows to step live in this rank's shard of the parameter."""
+
+    def local_shard(self) -> torch.Tensor: ...
 
 
 def _in_this_backward(node) -> bool:
@@ -138,6 +146,7 @@ class FusedWeightMixin:
         self.forge_enabled = True  # False: gradients flow to W.grad for an ordinary optimizer
         self.forge_name = self.__dict__.get("forge_name", type(self).__name__)  # patch_model: the module name
         self.forge_stats = torch.zeros(2, dtype=torch.float32, device=self.weight.device)
+        self._forge_anchor = new_anchor(self)  # made before any trace: torch.compile finds the layer by it
         self.forge_arm()
 
     def forge_weight_view(self) -> torch.Tensor:
@@ -257,6 +266,7 @@ class FusedWeightMixin:
     def __setstate__(self, state):
         nn.Module.__setstate__(self, state)
         self.forge_arm()
+        self._forge_anchor = new_anchor(self)  # a copy's own key for the compiled ops
 
     @torch.no_grad()
     def forge_fused_step(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
@@ -269,9 +279,12 @@ class FusedWeightMixin:
         if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
             x2, dy2 = dp.gather_tokens(x2, dy2)
             start, stop = dp.rows(weight.shape[0])
-            weight, dy2 = weight[start:stop], dy2[:, start:stop]
-            # the same band of the parameter itself: its columns when stored (in, out)
-            param = param[:, start:stop] if self.forge_transposed else param[start:stop]
+            dy2 = dy2[:, start:stop]
+            if dp.mode == "fsdp":  # not a band of the gathered copy: the update must land in the shard
+                weight = param = dp.local_shard()
+            else:  # the same band of the parameter itself: its columns when stored (in, out)
+                weight = weight[start:stop]
+                param = param[:, start:stop] if self.forge_transposed else param[start:stop]
         state.allocate(param, group, transposed=self.forge_transposed)
         device = self.weight.device
         if self.forge_stats.device != device:
@@ -326,7 +339,7 @@ class FusedWeightMixin:
                 "Functions: give yours custom ops as nn/compiled_linear.py does, or allow a graph break")
         anchor = self.__dict__.get("_forge_anchor")
         if anchor is None or anchor.device != self.weight.device:
-            anchor = self._forge_anchor = torch.empty(0, device=self.weight.device, requires_grad=True)
+            anchor = self._forge_anchor = new_anchor(self)
         dp = self.forge_dp
         if dp is not None:
             x = inputs[0]

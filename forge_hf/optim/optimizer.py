@@ -24,8 +24,11 @@ from ..core.state import ForgeState
 from ..kernels.dispatch import launch_rule_step, resolve_backend
 from ..kernels.reference import reference_fused_update, reference_rule_rows
 from ..nn.linear import FusedWeightMixin
+from .fsdp import enable_fsdp, fsdp_needed, param_shards
 
 # Trainer.get_decay_parameter_names (transformers 5.x): no weight decay for biases and norms.
+# data-parallel modes in which a fused layer holds and steps only its rows (optim/distributed.py, optim/fsdp.py)
+SHARDED_MODES = ("sharded", "fsdp")
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
@@ -74,6 +77,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 f"{type(model).__name__} has no fused layers: call forge_hf.patch_model(model, "
                 "optimizer=...) before creating a ForgeOptimizer"
             )
+        if fsdp_needed(model):  # fully_shard ran after patch_model: fused layers step their shards
+            enable_fsdp(model)
         rule = get_rule(_one(layers, "optimizer rule", lambda m: m.forge_rule.name))
         first = next(iter(layers.values()))
         if lr is not None:
@@ -107,6 +112,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             else:
                 self.state[p] = ForgeState(rule, precision)
                 self._salt[p] = layer_salt(seed, -1 - i)  # apart from the fused layers' streams
+        # FSDP2 parameters (DTensors sharded by rows): stepped through their local shards
+        self._shards = {p: shards for _, p in named if (shards := param_shards(p)) is not None}
         self._device = named[0][1].device
         # the fused layers' backend steps the non-fused tensors too: one Triton launch each
         # on a GPU, instead of whole-tensor PyTorch temporaries
@@ -152,7 +159,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             dp = layer.forge_dp
             if dp is not None:
                 dp.wait()  # after step() every rank holds the whole updated weight
-            if dp is not None and dp.mode == "sharded":
+            if dp is not None and dp.mode in SHARDED_MODES:
                 bands.setdefault(id(dp.group), (dp.group, []))[1].append(layer.forge_stats)
             else:
                 whole.append(layer.forge_stats)
@@ -166,12 +173,23 @@ class ForgeOptimizer(torch.optim.Optimizer):
             totals += part
             torch._foreach_zero_(stats)
         sq, bad = totals[0], totals[1]
+        shard_totals = {}  # FSDP2 shards: id(group) -> (group, [squared sum, skipped]) of this rank's rows
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     p_sq, p_bad = self._step_tensor(p, group)
-                    sq += p_sq.to(self._device)
-                    bad += p_bad.to(self._device)
+                    shards = self._shards.get(p)
+                    if shards is None:
+                        sq += p_sq.to(self._device)
+                        bad += p_bad.to(self._device)
+                    else:
+                        part = shard_totals.setdefault(id(shards.group), (shards.group, torch.zeros(2)))[1]
+                        part += torch.stack([p_sq.float().cpu(), p_bad.float().cpu()])
+        for shard_group, part in shard_totals.values():
+            part = part.to(self._device)
+            dist.all_reduce(part, group=shard_group)
+            sq += part[0]
+            bad += part[1]
         self.last_grad_norm = sq.sqrt()
         self._nonfinite += bad
         if self.stop_on_nonfinite and bad.item() > 0:
@@ -197,20 +215,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                "use nn.Embedding(sparse=False)")
         state, layer = self.state[p], self._layers.get(p)
         transposed = layer.forge_transposed if layer is not None else None
-        state.allocate(p, group, transposed=transposed)
-        w, g = (p.t(), p.grad.t()) if transposed else (p, p.grad)
+        local, grad, shards, row0 = p, p.grad, self._shards.get(p), 0
+        if shards is not None:  # FSDP2: this rank's rows; their first row's place in p picks the rounding bits
+            local, grad, row0 = p.to_local(), p.grad.to_local(), shards.rows(p.shape[0])[0]
+        state.allocate(local, group, transposed=transposed)
+        w, g = (local.t(), grad.t()) if transposed else (local, grad)
         # the step counts even when the gradient is skipped, as for a fused layer whose
         # tiles all are
         slots = state.kernel_slots()
         if self._kernel:
-            args = next_launch_args(self.rule, group, state, self._salt[p], p.device)
-            return self._step_with_kernel(p, w, g, slots, args)
+            args = next_launch_args(self.rule, group, state, self._salt[p], local.device, row0)
+            return self._step_with_kernel(w, g, slots, args, sharded=shards is not None)
         scalars = self.rule.prepare(group, state.host)  # fp32 constants, as the kernels receive them
-        consts = torch.tensor(scalars, dtype=torch.float32).to(p.device).unbind()
+        consts = torch.tensor(scalars, dtype=torch.float32).to(local.device).unbind()
         ok = torch.isfinite(g).all()
         if any(isinstance(s, QuantisedSlot) for s in slots) and not ok:
             return g.new_zeros((), dtype=torch.float32), g.new_ones((), dtype=torch.float32)  # codes cannot be masked
-        rows2d = w.shape[0] if w.dim() == 2 else 1
+        # 1-d tensors as one row; an FSDP2 shard of one as a column (see _step_with_kernel)
+        rows2d = w.shape[0] if w.dim() == 2 or shards is not None else 1
         as2d = (lambda t: t) if w.dim() == 2 else (lambda t: t.reshape(rows2d, -1))
         w2, g2 = as2d(w), as2d(g)
         plain = [as2d(s) if s is not None and not isinstance(s, QuantisedSlot) else s for s in slots]
@@ -220,22 +242,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                "make it contiguous before creating the ForgeOptimizer")
         n_cols = w2.shape[1]
         step_rows = max(1, self.CHUNK // max(n_cols, 1))
-        sq = torch.zeros((), device=p.device)
+        sq = torch.zeros((), device=local.device)
         for r0 in range(0, rows2d, step_rows):
             rows = slice(r0, min(r0 + step_rows, rows2d))
             sq += reference_rule_rows(self.rule.name, w2, g2[rows].float(), plain, rows, consts, ok,
-                                      self._salt[p], state.step, self.stochastic)
+                                      self._salt[p], state.step, self.stochastic, row0)
         return torch.where(ok, sq, 0.0), (~ok).float()
 
-    def _step_with_kernel(self, p, w, g, slots, args):
+    def _step_with_kernel(self, w, g, slots, args, sharded=False):
         """The fused kernel's rule and store on an existing gradient. A non-finite tile is
         skipped and counted tile by tile, as in a fused layer."""
-        if w.dim() != 2:  # norms and biases: one row
+        if w.dim() != 2:  # norms and biases: one row; an FSDP2 shard of one: a column, so that
+            # the launch's first row (the shard's offset) gives each element its whole-tensor index
             if any(isinstance(s, QuantisedSlot) for s in slots) or not w.is_contiguous():
                 raise RuntimeError(f"cannot step a {tuple(w.shape)} tensor in place: make it contiguous")
-            w, g = w.view(1, -1), g.reshape(1, -1)
-            slots = [None if s is None else s.view(1, -1) for s in slots]
-        stats = torch.zeros(2, dtype=torch.float32, device=p.device)
+            shape = (-1, 1) if sharded else (1, -1)
+            w, g = w.view(shape), g.reshape(shape)
+            slots = [None if s is None else s.view(shape) for s in slots]
+        stats = torch.zeros(2, dtype=torch.float32, device=w.device)
         launch_rule_step(g, w.data, slots, args, stats, self.rule.name, self.stochastic)
         return stats[0], stats[1]
 
@@ -254,13 +278,26 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return sd
 
     def _sharding(self, p):
+        """How ``p``'s state is split over ranks: (its splitter: rows, gather_rows, shard_rows;
+        p's number of rows), or (None, 0) when every rank holds it whole."""
         layer = self._layers.get(p)
         dp = layer.forge_dp if layer is not None else None
-        return (dp, layer.forge_weight_view().shape[0]) if dp is not None and dp.mode == "sharded" else (None, 0)
+        if dp is not None and dp.mode == "sharded":
+            return dp, layer.forge_weight_view().shape[0]
+        if p in self._shards:  # FSDP2, fused or not
+            return self._shards[p], p.shape[0]
+        return None, 0
+
+    def _local(self, p) -> torch.Tensor:
+        """The part of ``p`` whose state this rank holds."""
+        dp, n_rows = self._sharding(p)
+        if dp is None:
+            return p
+        return p.to_local() if p in self._shards else p[slice(*dp.rows(n_rows))]
 
     def _full_state(self, p) -> dict:
-        """A layer's state as one process holds it: data-parallel row shards are gathered
-        (every rank must call state_dict), so checkpoints load into any world size."""
+        """A layer's state as one process holds it: data-parallel and FSDP2 row shards are
+        gathered (every rank must call state_dict), so checkpoints load into any world size."""
         sd = self.state[p].state_dict()
         dp, n_rows = self._sharding(p)
         if dp is None:
@@ -281,8 +318,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(self._params()):
             state = self.state[p]
             if i in saved:
-                dp, n_rows = self._sharding(p)
-                state.load_state_dict(self._own_state(p, saved[i]), p if dp is None else p[slice(*dp.rows(n_rows))])
+                state.load_state_dict(self._own_state(p, saved[i]), self._local(p))
             else:
                 state.reset()  # nothing saved: start fresh
         self.link_layers()  # torch built new group dicts
