@@ -1,0 +1,188 @@
+"""FORGE inside FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+FSDP2 shards every parameter by rows (``Shard(0)``, torch.chunk's layout: rank r holds
+rows [r*ceil(N/W), ...), the last ranks fewer or none), which is forge's band of rows in
+data-parallel ``mode="sharded"``. So a fused layer under ``fully_shard`` does what a
+sharded data-parallel layer does, with FSDP2's shard in place of the band:
+
+* forward and backward read the weight FSDP2 all-gathered, as for any module; dX is formed
+  from that copy, the weight before this step;
+* backward gathers the layer's tokens (input and output gradient) across the shard group
+  (optim/distributed.py's TokenGather), forms the gradient of this rank's rows only and
+  steps its local shard and the state of those rows, in place; nothing is shared after the
+  step: FSDP2 all-gathers the updated shards at the next forward;
+* the fused weights never hold a gradient, so FSDP2 reduce-scatters none for them; the
+  other parameters (embeddings, norms, biases) go through its reduce-scatter and
+  ForgeOptimizer steps their local shards.
+
+FSDP2's per-parameter records (its ``FSDPParam``) are private: they are read here only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from ..nn.linear import FusedWeightMixin
+from .distributed import TokenCounts, TokenGather
+
+
+def chunk_rows(n_rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) that FSDP2 (torch.chunk) gives ``rank`` of ``world``."""
+    per_rank = -(-n_rows // world)
+    start = min(rank * per_rank, n_rows)
+    return start, min(start + per_rank, n_rows)
+
+
+class RowShards:
+    """A tensor's rows split over ``group`` as FSDP2 splits them: which rows this rank holds,
+    and the whole tensor back from every rank's rows (optimizer checkpoints hold whole states,
+    so they load into any world size)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def rows(self, n_rows: int) -> tuple[int, int]:
+        return chunk_rows(n_rows, self.world, self.rank)
+
+    def gather_rows(self, t: torch.Tensor, n_rows: int) -> torch.Tensor:
+        """The whole (n_rows, ...) tensor from every rank's rows ``t``: each rank's rows are
+        padded to a full chunk, and the chunks lie in rank order, so the first n_rows rows of
+        the gathered buffer are the whole tensor."""
+        per_rank = -(-n_rows // self.world)
+        padded = t.new_zeros((per_rank, *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        buf = t.new_empty((self.world * per_rank, *t.shape[1:]))
+        dist.all_gather_into_tensor(buf, padded, group=self.group)
+        return buf[:n_rows]
+
+    def shard_rows(self, t: torch.Tensor, n_rows: int) -> torch.Tensor:
+        start, stop = self.rows(n_rows)
+        return t[start:stop].clone()
+
+
+def param_shards(p: torch.Tensor) -> RowShards | None:
+    """How an FSDP2-sharded parameter's rows are split, or None for a whole tensor."""
+    if not isinstance(p, DTensor):
+        return None
+    if p.device_mesh.ndim != 1 or p.placements != (Shard(0),):
+        raise ValueError(
+            f"a {tuple(p.shape)} parameter is a DTensor placed {p.placements} on a {p.device_mesh.ndim}-d mesh: "
+            "ForgeOptimizer steps parameters sharded by rows on one mesh dimension (fully_shard with a 1-d "
+            "mesh and the default shard_placement_fn)")
+    return RowShards(p.device_mesh.get_group())
+
+
+class FsdpFusion(RowShards):
+    """The FSDP2 context of one fused layer (``layer.forge_dp``, nn/linear.ShardedWeightSeam)."""
+
+    mode = "fsdp"
+
+    def __init__(self, layer: FusedWeightMixin, fsdp_param, param_group, counts: TokenCounts):
+        group = param_group.mesh_info.shard_process_group
+        super().__init__(group)
+        self.name = layer.forge_name
+        self.fsdp_param, self.param_group = fsdp_param, param_group
+        self.gather = TokenGather(group, counts)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has put on the wire for this layer's tokens."""
+        return self.gather.bytes_sent
+
+    def announce_tokens(self, t_local: int) -> None:
+        self.gather.announce(t_local)
+
+    def gather_tokens(self, x2, dy2):
+        if self.world == 1:
+            return x2, dy2
+        x_all, dy_all = self.gather.gather(x2, dy2)
+        return x_all, dy_all / self.world  # FSDP2 averages the other gradients: the same mean
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's rows of the weight, the sharded parameter's own storage (what FSDP2
+        all-gathers at the next forward), to be stepped in place."""
+        if not self.param_group.reshard_after_backward:
+            raise RuntimeError(
+                f"{self.name} is fused but its FSDP2 module keeps the gathered weight after backward "
+                "(set_reshard_after_backward(False)), so the next forward would not see this step's update: "
+                "leave reshard_after_backward=True (a fused layer accumulates no gradient between steps)")
+        return self.fsdp_param.sharded_param.to_local()
+
+    def share_rows(self, weight: torch.Tensor) -> None:
+        """Nothing to share: FSDP2 all-gathers the updated shards before the next forward."""
+
+    def wait(self) -> None:
+        pass
+
+
+def _fsdp_params(model: torch.nn.Module) -> dict[tuple[int, str], tuple]:
+    """(id(module), parameter name) -> (its FSDPParam, its FSDPParamGroup), for every
+    parameter that a ``fully_shard`` call inside ``model`` manages."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        param_group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in param_group.fsdp_params if param_group is not None else ():
+            info = fsdp_param._module_info
+            found[(id(info.module), info.param_name)] = (fsdp_param, param_group)
+    return found
+
+
+def enable_fsdp(model: torch.nn.Module) -> list[str]:
+    """Give every fused layer of ``model`` its FSDP2 context. Call after ``fully_shard``
+    (on the layers' modules and the root) and before the first forward; ForgeOptimizer
+    calls it when it finds fused weights sharded by FSDP2. Returns the fused weights' names."""
+    fused = [(n, m) for n, m in model.named_modules() if isinstance(m, FusedWeightMixin)]
+    if not fused:
+        raise ValueError(
+            f"{type(model).__name__} has no fused layers: call forge_hf.patch_model(model, ...) before "
+            "fully_shard and enable_fsdp")
+    managed = _fsdp_params(model)
+    counts: dict[int, TokenCounts] = {}  # one exchange of token counts per backward and shard group
+    names = []
+    for name, layer in fused:
+        entry = managed.get((id(layer), "weight"))
+        if entry is None:
+            raise ValueError(
+                f"fused layer {name} is not sharded by FSDP2: call fully_shard on it or on a module "
+                "containing it (and on the root) before enable_fsdp, or exclude it in patch_model")
+        fsdp_param, param_group = entry
+        mesh_info = param_group.mesh_info
+        if getattr(mesh_info, "replicate_mesh_dim", None) is not None:
+            raise ValueError(
+                f"fused layer {name} is under HSDP (a 2-d mesh, replicated across one dimension): forge "
+                "gathers tokens over one shard group only; use fully_shard with a 1-d mesh")
+        if fsdp_param.fsdp_placement != Shard(0):
+            raise ValueError(
+                f"fused layer {name} is sharded {fsdp_param.fsdp_placement} by shard_placement_fn: forge "
+                "steps whole rows of the weight; shard fused weights Shard(0) (the default)")
+        if fsdp_param.offload_to_cpu:
+            raise ValueError(
+                f"fused layer {name} has its shard offloaded to the CPU (CPUOffloadPolicy): the fused step "
+                "runs on the weight's device; drop offload_policy or exclude the layer in patch_model")
+        if layer.forge_transposed:
+            raise ValueError(
+                f"fused layer {name} stores its weight (in, out) (Conv1D): FSDP2's row shards are then "
+                "input features, which forge does not step; exclude it in patch_model(exclude=[...])")
+        if layer.forge_dp is not None and not isinstance(layer.forge_dp, FsdpFusion):
+            raise ValueError(
+                f"fused layer {name} already has forge data parallelism (enable_data_parallel): under "
+                "fully_shard forge shards by FSDP2's shards instead; do not call enable_data_parallel")
+        group = mesh_info.shard_process_group
+        shared = counts.setdefault(id(group), TokenCounts(group))
+        layer.forge_dp = FsdpFusion(layer, fsdp_param, param_group, shared)
+        names.append(f"{name}.weight" if name else "weight")
+    return names
+
+
+def fsdp_needed(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has fused layers whose weights FSDP2 shards and no FSDP2 context yet."""
+    return any(isinstance(m.weight, DTensor) and not isinstance(m.forge_dp, FsdpFusion)
+               for m in model.modules() if isinstance(m, FusedWeightMixin))
