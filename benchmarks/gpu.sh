@@ -16,8 +16,8 @@
 #   report [ARGS]   report.py over the committed table and $OUT's rows, into $OUT
 #
 # Rows go to $OUT/results.csv (a copy of the checkout on another machine does not come back); merge
-# them with `python benchmarks/results_table.py merge <that file>`. Without .git here, set
-# FORGE_COMMIT to the commit measured.
+# them with `python benchmarks/results_table.py merge <that file>`. Set FORGE_COMMIT to the commit
+# measured: a copy of the working tree may carry the .git of an older commit, or none.
 set -uo pipefail
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$SELF")/.."

@@ -31,8 +31,11 @@ def add_table_option(parser: argparse.ArgumentParser) -> None:
 
 
 def current_commit() -> str:
-    """`git rev-parse --short HEAD` of this checkout, else $FORGE_COMMIT (for a copy of the
-    working tree without .git), else 'unknown'."""
+    """$FORGE_COMMIT when set (a copy of the working tree measured elsewhere: its .git, if it
+    travelled, names the commit it was copied from, not the code that ran), else `git rev-parse
+    --short HEAD` of this checkout, else 'unknown'."""
+    if os.environ.get("FORGE_COMMIT"):
+        return os.environ["FORGE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=TABLE.parent, capture_output=True,
                              text=True, timeout=10)
@@ -40,7 +43,7 @@ def current_commit() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("FORGE_COMMIT", "unknown")
+    return "unknown"
 
 
 def _version(module: str) -> str:

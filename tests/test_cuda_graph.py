@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import bf16_ulps_apart
 from test_optim import SEQ, VOCAB, tiny_llama
 from test_trainer import dataset, step_logs, training_args
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -63,7 +64,7 @@ def test_a_step_taken_by_the_graph_is_not_taken_again():
 
 
 def cuda_args(out, **overrides):
-    options = dict(use_cpu=False, bf16=True, optim_args="state_precision=bf16", max_steps=10,
+    options = dict(use_cpu=False, bf16=True, optim_args="state_precision=bf16,min_params=0", max_steps=10,
                    lr_scheduler_type="cosine", warmup_steps=2)
     options.update(overrides)
     return training_args(out, **options)
@@ -74,7 +75,7 @@ def cuda_llama():
 
 
 def train(out, mode, **overrides):
-    args = cuda_args(out, optim_args=f"state_precision=bf16,cuda_graph={mode}", **overrides)
+    args = cuda_args(out, optim_args=f"state_precision=bf16,min_params=0,cuda_graph={mode}", **overrides)
     trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=9))
     with sdpa_kernel(SDPBackend.MATH):  # deterministic attention backward
         trainer.train()
@@ -91,7 +92,9 @@ def assert_trains_alike(graphed, eager, start):
     for (name, a), b, a0 in zip(eager.model.named_parameters(), graphed.model.parameters(), start):
         moved = (a.float() - a0.float()).norm()
         apart = (b.float() - a.float()).norm()
-        assert apart <= 0.05 * moved, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
+        # a parameter that moved a few bf16 steps may end one stochastic rounding apart
+        close = apart <= 0.05 * moved or bf16_ulps_apart(a, b).max() <= 2
+        assert close, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
 
 
 @pytest.mark.gpu
@@ -116,7 +119,7 @@ def test_graph_required_trains_through_the_graph(tmp_path):
 def test_resume_captures_again_and_continues_like_a_straight_run(tmp_path):
     start = [p.detach().clone() for p in cuda_llama().parameters()]
     straight = train(tmp_path, "auto", save_strategy="steps", save_steps=5)
-    args = cuda_args(tmp_path, optim_args="state_precision=bf16,cuda_graph=auto", save_strategy="steps",
+    args = cuda_args(tmp_path, optim_args="state_precision=bf16,min_params=0,cuda_graph=auto", save_strategy="steps",
                      save_steps=5)
     resumed = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset())
     with sdpa_kernel(SDPBackend.MATH):
@@ -125,13 +128,15 @@ def test_resume_captures_again_and_continues_like_a_straight_run(tmp_path):
     for (name, a), b, a0 in zip(straight.model.named_parameters(), resumed.model.parameters(), start):
         moved = (a.float() - a0.float()).norm()
         apart = (b.float() - a.float()).norm()
-        assert apart <= 0.05 * moved, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
+        # a parameter that moved a few bf16 steps may end one stochastic rounding apart
+        close = apart <= 0.05 * moved or bf16_ulps_apart(a, b).max() <= 2
+        assert close, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
 
 
 @pytest.mark.gpu
 def test_a_short_last_batch_runs_eagerly_and_the_graph_stays(tmp_path):
     data = dataset(2 * 6 + 1)  # six full batches of two, then one of one
-    args = cuda_args(tmp_path, optim_args="state_precision=bf16", max_steps=-1, num_train_epochs=2)
+    args = cuda_args(tmp_path, optim_args="state_precision=bf16,min_params=0", max_steps=-1, num_train_epochs=2)
     trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=data)
     with pytest.warns(UserWarning, match="other shapes"):
         trainer.train()
@@ -152,7 +157,7 @@ def test_a_padding_collator_releases_the_graph_with_one_warning(tmp_path):
 
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen)} for n in lengths]
-    args = cuda_args(tmp_path, optim_args="state_precision=bf16", max_steps=-1, num_train_epochs=1,
+    args = cuda_args(tmp_path, optim_args="state_precision=bf16,min_params=0", max_steps=-1, num_train_epochs=1,
                      per_device_train_batch_size=1)
     trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=data, data_collator=collate)
     with warnings.catch_warnings(record=True) as caught:
