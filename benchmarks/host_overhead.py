@@ -74,6 +74,24 @@ def launch_costs() -> dict:
     return costs
 
 
+def eager_training(model_name: str, state: str, batch: int):
+    """An eager forge training step of ``model_name`` (batch x 512 tokens), warmed up."""
+    model = build_model(model_name)
+    forge_hf.patch_model(model, optimizer="adamw", state_precision=state, lr=1e-5, weight_decay=0.01)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-5, weight_decay=0.01)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 512), device="cuda")
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    return step
+
+
 def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
     """Host microseconds per fused layer and step, on a real model's layers in eager training:
     its forward (ForgeLinear.forward) and the Python of its backward (nn/linear.fused_backward:
@@ -81,10 +99,7 @@ def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
     calls with the GPU queue never full (the model is small enough that the host leads)."""
     from forge_hf.nn import linear
 
-    model = build_model(model_name)
-    forge_hf.patch_model(model, optimizer="adamw", state_precision=state, lr=1e-5, weight_decay=0.01)
-    opt = forge_hf.ForgeOptimizer(model, lr=1e-5, weight_decay=0.01)
-    ids = torch.randint(0, model.config.vocab_size, (4, 512), device="cuda")
+    step = eager_training(model_name, state, batch=4)
     spent = {"forward": 0.0, "backward": 0.0}
     calls = {"forward": 0, "backward": 0}
 
@@ -97,14 +112,6 @@ def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
             return out
         return wrapper
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
     forward, backward = linear.ForgeLinear.forward, linear.fused_backward
     linear.ForgeLinear.forward, linear.fused_backward = timed("forward", forward), timed("backward", backward)
     try:
@@ -121,19 +128,7 @@ def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
 
 def profile_training(model_name, steps) -> float:
     """Wall ms of an eager forge step (bf16 state, 1 x 512), then a cProfile of ``steps`` more."""
-    model = build_model(model_name)
-    forge_hf.patch_model(model, optimizer="adamw", state_precision="bf16", lr=1e-5, weight_decay=0.01)
-    opt = forge_hf.ForgeOptimizer(model, lr=1e-5, weight_decay=0.01)
-    ids = torch.randint(0, model.config.vocab_size, (1, 512), device="cuda")
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    step = eager_training(model_name, "bf16", batch=1)
     t = time.perf_counter()
     for _ in range(steps):
         step()

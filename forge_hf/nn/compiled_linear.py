@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .backward_checks import input_gradient, refuse_second_backward
+
 # id(anchor's storage) -> (the storage, its layer), both weakly. The storage, not the
 # tensor: a compiled graph passes the anchor on as another tensor object over it.
 _LAYERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -155,16 +157,9 @@ def fused_linear_backward(x: Tensor, dy: Tensor, anchor: Tensor, tag: Tensor,
     calls = _CALLS.get(layer, ())
     mine = tag.untyped_storage()
     call = next((c for c in calls if c[0]() is mine), None)
-    if call is not None and call[1]:
-        raise RuntimeError(
-            f"backward ran twice through {layer.forge_name}, whose weight was already stepped "
-            "in the first one (retain_graph=True?): exclude it from patch_model so its "
-            "gradient accumulates for an ordinary optimizer"
-        )
-    w = layer.forge_weight_view()
-    n_out, n_in = w.shape
-    # dX must be formed from the weight before this step's update (paper Remark 1).
-    dx = dy @ w.to(dy.dtype) if need_dx else dy.new_empty(0)
+    refuse_second_backward(layer, call is not None and call[1])
+    n_out, n_in = layer.forge_weight_view().shape
+    dx = input_gradient(layer, dy) if need_dx else dy.new_empty(0)
     # The anchor's AccumulateGrad stands for the weight: not executed under
     # autograd.grad(outputs, inputs) that leaves the weight out, so no step then.
     if layer.weight.requires_grad and _anchor_in_this_backward(layer):

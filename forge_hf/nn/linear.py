@@ -22,6 +22,7 @@ from ..core.rounding import layer_salt
 from ..core.rules import get_rule, make_group
 from ..core.state import ForgeState, check_rounding
 from ..kernels.dispatch import bind_fused_update, check_backend
+from .backward_checks import input_gradient, refuse_second_backward
 from .compiled_linear import compiled_forward, new_anchor
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -103,16 +104,9 @@ def fused_backward(ctx, x, dy, anchor_index, need_dx):
     its weight stepped with dY^T X: the backward of a fused Function whose inputs were
     (..., anchor at ``anchor_index``, bias, layer) and whose layer input is ``x``."""
     layer = ctx.layer
-    if getattr(ctx, "forge_stepped", False):
-        raise RuntimeError(
-            f"backward ran twice through {layer.forge_name}, whose weight was already stepped "
-            "in the first one (retain_graph=True?): exclude it from patch_model so its "
-            "gradient accumulates for an ordinary optimizer"
-        )
-    w = layer.forge_weight_view()
-    n_out, n_in = w.shape
-    # dX must be formed from the weight before this step's update (paper Remark 1).
-    dx = dy @ w.to(dy.dtype) if need_dx else None
+    refuse_second_backward(layer, getattr(ctx, "forge_stepped", False))
+    n_out, n_in = layer.forge_weight_view().shape
+    dx = input_gradient(layer, dy) if need_dx else None
     dy2 = dy.reshape(-1, n_out)
     db = dy2.float().sum(0).to(layer.bias.dtype) if ctx.needs_input_grad[anchor_index + 1] else None
     # The anchor's AccumulateGrad stands for the weight: not executed under

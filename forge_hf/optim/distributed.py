@@ -197,7 +197,30 @@ def row_band(n_rows: int, block_n: int, world: int, rank: int) -> tuple[int, int
     return start, stop
 
 
-class DataParallelFusion:
+class TokenExchange:
+    """The token half of a fused layer's data-parallel seam (nn/linear.DataParallelSeam): its
+    x and dy gathered over the ranks by ``self.gather``, the output gradient divided by the
+    world size, as DDP and FSDP2 average the other gradients."""
+
+    gather: TokenGather
+    world: int
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has put on the wire for this layer."""
+        return self.gather.bytes_sent
+
+    def announce_tokens(self, t_local: int) -> None:
+        self.gather.announce(t_local)
+
+    def gather_tokens(self, x2, dy2):
+        if self.world == 1:
+            return x2, dy2
+        x_all, dy_all = self.gather.gather(x2, dy2)
+        return x_all, dy_all / self.world
+
+
+class DataParallelFusion(TokenExchange):
     """The data-parallel context of one fused layer (``layer.forge_dp``: nn/linear.DataParallelSeam)."""
 
     # Bands are whole multiples of 8 rows: fine enough to balance the states of small
@@ -222,24 +245,11 @@ class DataParallelFusion:
         self.block_n = block_n
         self.pending = None  # the async all-gather of updated rows, waited on before next read
 
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank has put on the wire for this layer (activations and rows)."""
-        return self.gather.bytes_sent
-
     def rows(self, n_rows: int) -> tuple[int, int]:
         if self.mode == "replicated":
             return 0, n_rows
         return row_band(n_rows, self.block_n, self.world, self.rank)
 
-    def announce_tokens(self, t_local: int) -> None:
-        self.gather.announce(t_local)
-
-    def gather_tokens(self, x2, dy2):
-        if self.world == 1:
-            return x2, dy2
-        x_all, dy_all = self.gather.gather(x2, dy2)
-        return x_all, dy_all / self.world
 
     def _bands(self, n_rows: int) -> list[tuple[int, int]]:
         return [row_band(n_rows, self.block_n, self.world, r) for r in range(self.world)]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from ..nn.linear import FusedWeightMixin
-from .distributed import TokenCounts, TokenGather
+from .distributed import TokenCounts, TokenExchange, TokenGather
 
 
 def chunk_rows(n_rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -76,7 +76,7 @@ def param_shards(p: torch.Tensor) -> RowShards | None:
     return RowShards(p.device_mesh.get_group())
 
 
-class FsdpFusion(RowShards):
+class FsdpFusion(TokenExchange, RowShards):
     """The FSDP2 context of one fused layer (``layer.forge_dp``, nn/linear.ShardedWeightSeam)."""
 
     mode = "fsdp"
@@ -87,20 +87,6 @@ class FsdpFusion(RowShards):
         self.name = layer.forge_name
         self.fsdp_param, self.param_group = fsdp_param, param_group
         self.gather = TokenGather(group, counts)
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank has put on the wire for this layer's tokens."""
-        return self.gather.bytes_sent
-
-    def announce_tokens(self, t_local: int) -> None:
-        self.gather.announce(t_local)
-
-    def gather_tokens(self, x2, dy2):
-        if self.world == 1:
-            return x2, dy2
-        x_all, dy_all = self.gather.gather(x2, dy2)
-        return x_all, dy_all / self.world  # FSDP2 averages the other gradients: the same mean
 
     def local_shard(self) -> torch.Tensor:
         """This rank's rows of the weight, the sharded parameter's own storage (what FSDP2
