@@ -67,7 +67,7 @@ class ArgsRow:
         self._copied[i].synchronize()  # the copy out of this host row, two launches ago, has left
         self._words[i, :ARGS_LEN] = words
         self._device.copy_(self._host[i], non_blocking=True)
-        self._copied[i].record()
+        self._copied[i].record(torch.cuda.current_stream(self._device.device))  # the copy's stream
         return self.row
 
 

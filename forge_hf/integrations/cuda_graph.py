@@ -69,9 +69,6 @@ class TrainerGraph:
 
     def _static_reason(self, trainer, model: nn.Module) -> str | None:
         """Why no step of this run can be captured (checked until the first capture)."""
-        device = next(model.parameters()).device
-        if device.type != "cuda":
-            return f"the model is on {device}, and CUDA graphs need a CUDA device"
         if trainer.args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False):
             return ("gradient checkpointing recomputes the forward inside backward with host-side RNG "
                     "bookkeeping a capture cannot hold")
@@ -82,13 +79,13 @@ class TrainerGraph:
             return "stop_on_nonfinite=true reads a count on the host inside every step"
         return None
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, warn: bool = True) -> None:
         """No graph for the rest of the run, said once."""
         if self.mode == "true":
             raise RuntimeError(f"optim_args cuda_graph=true, but the step cannot be captured: {reason}. "
                                "Use cuda_graph=auto (captures where it can) or false")
         self.off, self.step, self.grad_norm = reason, None, None
-        if self.mode == "auto" and "device" not in reason:  # on a CPU, eager is simply the way
+        if warn:
             warnings.warn(f"forge: training steps run eagerly, without a CUDA graph: {reason}", stacklevel=3)
 
     def _warn_once(self, reason: str) -> None:
@@ -102,6 +99,10 @@ class TrainerGraph:
         """This training step through the graph (its loss), or None: run it eagerly."""
         if self.off is not None:
             return None
+        device = next(model.parameters()).device
+        if device.type != "cuda":  # auto on a CPU: eager is simply the way, nothing to warn about
+            self._disable(f"the model is on {device}, and CUDA graphs need a CUDA device", warn=False)
+            return None
         if self.step is None:
             reason = self._static_reason(trainer, model)
             if reason is not None:
@@ -110,7 +111,6 @@ class TrainerGraph:
         model.train()
         inputs = trainer._prepare_inputs(inputs)
         if num_items_in_batch is not None:
-            device = next(model.parameters()).device
             inputs = {**inputs, NUM_ITEMS: torch.as_tensor(num_items_in_batch, device=device)}
         shapes = _shapes(inputs)
         if shapes is None:
@@ -136,6 +136,7 @@ class TrainerGraph:
                 return None
             self.step = GraphedStep(_forward_module(model), trainer.forge_optimizer,
                                     loss_fn=self._loss_fn(trainer, model), warmup_steps=1)
+            self.waiting = 0
         elif self.step.graph is not None and \
                 captured_addresses(self.step.model, self.step.optimizer) != self.step.addresses:
             # a checkpoint was loaded into the optimizer (or the model moved): capture again
