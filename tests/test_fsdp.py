@@ -209,3 +209,22 @@ def test_optimizer_refuses_parameters_not_sharded_by_rows(one_process_group):
     with pytest.raises(ValueError, match=r"a \(2, 3\) parameter is a DTensor placed \(Shard\(dim=1\),\).*default "
                                          r"shard_placement_fn"):
         forge_hf.ForgeOptimizer(model, lr=1e-3)
+
+
+@pytest.mark.parametrize("fsdp,distributed_type", [(["full_shard"], "NO"), ([], "FSDP")],
+                         ids=["training-arguments", "accelerate-fsdp2"])
+def test_trainer_refuses_fsdp_and_points_to_fully_shard_in_a_loop(fsdp, distributed_type):
+    """accelerate 1.15 runs FSDP only on accelerators (on CPU it falls back to DDP), so the
+    Trainer path cannot be tested here and stays refused; the message names the loop that works."""
+    from accelerate.utils import DistributedType
+
+    from forge_hf.integrations.trainer import check_training_arguments
+
+    args = types.SimpleNamespace(gradient_accumulation_steps=1, fp16=False, deepspeed=None, fsdp=fsdp, n_gpu=1,
+                                 auto_find_batch_size=False)
+    accelerator = types.SimpleNamespace(distributed_type=DistributedType(distributed_type))
+    with pytest.raises(ValueError, match=r"^FSDP is not supported with forge optimizers through the Trainer .*"
+                                         r"launch plain data parallelism \(DDP\).*run forge inside FSDP2 in your own "
+                                         r"training loop \(patch_model, then torch's fully_shard, then "
+                                         r"ForgeOptimizer: see forge_hf.optim.fsdp\)$"):
+        check_training_arguments(args, accelerator)

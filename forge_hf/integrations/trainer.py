@@ -191,8 +191,10 @@ def check_training_arguments(args, accelerator=None) -> None:
         )
     if args.fsdp or (accelerator is not None and accelerator.distributed_type == "FSDP"):
         raise ValueError(
-            "FSDP is not supported with forge optimizers (it shards and reduces the gradients the fused "
-            "step never forms): launch plain data parallelism (DDP), which forge runs exactly"
+            "FSDP is not supported with forge optimizers through the Trainer (it shards and reduces the "
+            "gradients the fused step never forms): launch plain data parallelism (DDP), which forge runs "
+            "exactly, or, to shard weights and states, run forge inside FSDP2 in your own training loop "
+            "(patch_model, then torch's fully_shard, then ForgeOptimizer: see forge_hf.optim.fsdp)"
         )
     if accelerator is not None and str(accelerator.distributed_type) not in _DATA_PARALLEL_TYPES:
         raise ValueError(
