@@ -26,12 +26,20 @@ from .reference import reference_fused_update
 BACKENDS = ("auto", "triton", "reference")
 
 
-def _triton_kernels():
-    try:
-        from . import fused_update
-    except ImportError:  # no Triton on this platform
-        return None
+def _kernels():
+    """fused_update.py, imported at the first GPU step: Triton's import is slow, and absent
+    on some platforms."""
+    from . import fused_update
+
     return fused_update
+
+
+def _triton_available() -> bool:
+    try:
+        _kernels()
+    except ImportError:
+        return False
+    return True
 
 
 def check_backend(backend: str) -> str:
@@ -45,8 +53,7 @@ def resolve_backend(backend: str, device: torch.device):
     if check_backend(backend) == "reference":
         return reference_fused_update
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
-    kernels = _triton_kernels() if (device.type == "cuda" or interpreted) else None
-    if kernels is None:
+    if not ((device.type == "cuda" or interpreted) and _triton_available()):
         if backend == "triton":
             raise RuntimeError(
                 f"backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
@@ -80,20 +87,13 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     return launch
 
 
-def _kernels():
-    from . import fused_update  # Triton's import is deferred to the first GPU step
-
-    return fused_update
-
-
 def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
                         **options) -> None:
     """One fused step of one layer on the GPU kernels (arguments as in
     fused_update.fused_launch_arguments). ``blocks`` or launch ``options`` (num_warps,
     num_stages, maxnreg) pin the Triton kernel with them; without either, the persistent
     kernel runs where it applies."""
-    from . import fused_update
-
+    fused_update = _kernels()
     if blocks is None and not options and not fused_update.INTERPRETER:
         from .persistent_launch import launch_persistent, persistent_unsupported
         if persistent_unsupported(x, dy, weight, slots) is None:
@@ -113,8 +113,7 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
 def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic) -> None:
     """The Triton kernel's rule and store for a tensor whose (N, K) gradient exists: one
     launch, no whole-tensor temporaries (ForgeOptimizer's non-fused parameters)."""
-    from . import fused_update
-
+    fused_update = _kernels()
     config = fused_update.default_config(*weight.shape, 0)
     grid, positional, constexprs = fused_update.fused_launch_arguments(
         grad, grad, weight, slots, args, stats, rule_name, stochastic, config["blocks"], grad_given=True)
