@@ -18,4 +18,5 @@ def refuse_second_backward(layer, stepped: bool) -> None:
 
 def input_gradient(layer, dy: torch.Tensor) -> torch.Tensor:
     """dY @ W, with W as it is before this step's fused update."""
-    return dy @ layer.forge_weight_view().to(dy.dtype)
+    weight = layer.forge_weight_view()
+    return dy @ (weight if weight.dtype == dy.dtype else weight.to(dy.dtype))

@@ -69,11 +69,15 @@ def _check_one_process(layer) -> None:
             "drift apart. Call forge_hf.distributed.enable_data_parallel(model) after patch_model and "
             "before wrapping the model in DistributedDataParallel, or train with forge_hf.ForgeTrainer "
             "under `accelerate launch` or torchrun, which enables it itself")
-    layer._forge_one_process = True
+    layer.__dict__["_forge_one_process"] = True
 
 
 class ForgeFallbackWarning(UserWarning):
     """A fused layer switched to the ordinary optimizer path (the message names it)."""
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # .to() costs host time even when it returns t
 
 
 class FusedWeightFunction(torch.autograd.Function):
@@ -90,7 +94,8 @@ class FusedWeightFunction(torch.autograd.Function):
         ctx.layer = layer
         ctx.save_for_backward(x)  # not the weight: it is overwritten during backward
         layer.forge_track(ctx)
-        return F.linear(x, layer.forge_weight_view().to(x.dtype), None if bias is None else bias.to(x.dtype))
+        bias = None if bias is None else _as_dtype(bias, x.dtype)
+        return F.linear(x, _as_dtype(layer.forge_weight_view(), x.dtype), bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -105,7 +110,7 @@ def fused_backward(ctx, x, dy, anchor_index, need_dx):
     (..., anchor at ``anchor_index``, bias, layer) and whose layer input is ``x``."""
     layer = ctx.layer
     refuse_second_backward(layer, getattr(ctx, "forge_stepped", False))
-    n_out, n_in = layer.forge_weight_view().shape
+    n_out, n_in = dy.shape[-1], x.shape[-1]  # the weight's (out, in)
     dx = input_gradient(layer, dy) if need_dx else None
     dy2 = dy.reshape(-1, n_out)
     db = dy2.float().sum(0).to(layer.bias.dtype) if ctx.needs_input_grad[anchor_index + 1] else None
@@ -155,7 +160,7 @@ class FusedWeightMixin:
             reason = self.forge_conflict(node)
             if reason:
                 self.forge_fall_back(reason)
-        with torch.no_grad():
+        with torch.no_grad():  # inexpensive where grad mode is already off (a backward)
             if not self.forge_enabled:
                 g = dy2.float().t() @ x2.float()
                 g = (g.t() if self.forge_transposed else g).to(self.weight.dtype)
@@ -167,7 +172,8 @@ class FusedWeightMixin:
             self.forge_fused_step(x2, dy2)
             # A node that saved the weight and runs later must fail, not use the new value.
             torch.autograd.graph.increment_version(self.weight)
-        self._forge_updates = getattr(self, "_forge_updates", 0) + 1
+        d = self.__dict__  # per-step bookkeeping: plain attributes, past nn.Module.__setattr__
+        d["_forge_updates"] = d.get("_forge_updates", 0) + 1
         return True
 
     # ------------------------------------------------------------ consumers
@@ -180,9 +186,10 @@ class FusedWeightMixin:
 
     def forge_track(self, node) -> None:
         """Called by each fused forward: remember the node weakly (forge_conflict)."""
-        nodes = [r for r in self.__dict__.get("_forge_nodes", ()) if r() is not None]
+        d = self.__dict__
+        nodes = [r for r in d.get("_forge_nodes", ()) if r() is not None]
         nodes.append(weakref.ref(node))
-        self._forge_nodes = nodes
+        d["_forge_nodes"] = nodes
         self.forge_arm()
 
     def forge_arm(self) -> None:
@@ -201,15 +208,27 @@ class FusedWeightMixin:
 
     def forge_conflict(self, node) -> str | None:
         """Why the weight must not be stepped in ``node``'s backward, or None."""
-        if self.weight.grad is not None:
+        weight = self.weight
+        if weight.grad is not None:
             return "its weight already holds a gradient (.grad was set outside the module)"
-        for ref in self.__dict__.get("_forge_nodes", ()):
-            other = ref()
-            if other is not None and other is not node and _in_this_backward(other):
-                return "the module is called more than once in this step"
-        if _in_this_backward(torch.autograd.graph.get_gradient_edge(self.weight).node):  # its AccumulateGrad
+        nodes = self.__dict__.get("_forge_nodes", ())
+        if len(nodes) > 1:  # one: ``node`` itself, tracked by its forward
+            for ref in nodes:
+                other = ref()
+                if other is not None and other is not node and _in_this_backward(other):
+                    return "the module is called more than once in this step"
+        if _in_this_backward(self.forge_weight_accumulator(weight)):
             return "its weight is also used outside the module in this step (tied or read directly)"
         return None
+
+    def forge_weight_accumulator(self, weight: torch.Tensor):
+        """The weight's AccumulateGrad node, held so that autograd keeps using this one (it
+        holds its own weakly and makes a new one when none is alive)."""
+        cached = self.__dict__.get("_forge_accumulator")
+        if cached is None or cached[0]() is not weight:
+            cached = self.__dict__["_forge_accumulator"] = (
+                weakref.ref(weight), torch.autograd.graph.get_gradient_edge(weight).node)
+        return cached[1]
 
     def forge_on_gradient(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: a gradient of a fused weight materialised."""
@@ -247,13 +266,13 @@ class FusedWeightMixin:
         rows updated by other ranks arrive first."""
         self.forge_ready()
         if torch._C._current_graph_task_id() == -1:
-            self._forge_updates = 0
+            self.__dict__["_forge_updates"] = 0
 
     def __getstate__(self):
         # Weak references and hook handles belong to this object: a copy makes its own.
         state = dict(self.__dict__)
         for key in ("_forge_nodes", "_forge_hook", "_forge_anchor", "forge_dp", "_forge_one_process",
-                    "_forge_launch"):
+                    "_forge_launch", "_forge_accumulator"):
             state.pop(key, None)
         return state
 
@@ -331,14 +350,14 @@ class FusedWeightMixin:
             raise RuntimeError(
                 f"{self.forge_name}: only the fused linear has a torch.compile form, not other fused "
                 "Functions: give yours custom ops as nn/compiled_linear.py does, or allow a graph break")
+        x = inputs[0]
         anchor = self.__dict__.get("_forge_anchor")
-        if anchor is None or anchor.device != self.weight.device:
+        if anchor is None or anchor.device != x.device:
             anchor = self._forge_anchor = new_anchor(self)
         dp = self.forge_dp
         if dp is not None:
-            x = inputs[0]
             dp.announce_tokens(x.numel() // max(x.shape[-1], 1))
-        dev = inputs[0].device.type
+        dev = x.device.type
         if torch.is_autocast_enabled(dev):
             # autocast does not reach inside a custom Function: cast as it would for linear
             inputs = [t.to(torch.get_autocast_dtype(dev)) for t in inputs]
