@@ -55,8 +55,9 @@ class ArgsRow:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._host = torch.zeros(2, ROW_STRIDE, dtype=torch.int32, pin_memory=True)
-        self._words = self._host.numpy()
+        host = torch.zeros(2, ROW_STRIDE, dtype=torch.int32, pin_memory=True)
+        self._host_rows = list(host)  # views made once: a view costs host time at every launch
+        self._words = host.numpy()
         self._device = torch.zeros(ROW_STRIDE, dtype=torch.int32, device=device)
         self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._next = 0
@@ -66,7 +67,7 @@ class ArgsRow:
         i, self._next = self._next, 1 - self._next
         self._copied[i].synchronize()  # the copy out of this host row, two launches ago, has left
         self._words[i, :ARGS_LEN] = words
-        self._device.copy_(self._host[i], non_blocking=True)
+        self._device.copy_(self._host_rows[i], non_blocking=True)
         self._copied[i].record(torch.cuda.current_stream(self._device.device))  # the copy's stream
         return self.row
 
