@@ -1,15 +1,20 @@
 """GPU time of the fused kernel over a model's linear shapes, summed as the model runs them,
-against its memory floor; and cuBLAS forming the same weight gradients (dY^T X), for reference.
+against its memory floor; and cuBLAS forming the same weight gradients (dY^T X), for reference;
+and the two-pass path (kernels/two_pass.py: cuBLAS's fp32 gradient into a scratch buffer, then
+the rule's kernel over it), which dispatch's auto mode takes where it is faster (issue #23).
 
 Floor of a shape = max(bytes the kernel must move / measured copy bandwidth, its FLOPs /
 measured bf16 matmul rate); the bytes: x and dy read once, the weight and each state read
 and written. Times are the GPU time of CUDA-graph replays (a training step runs graphed),
-AdamW, one layer of each distinct shape at a time. One row per kernel arm goes to the
-results table (step_ms: the model sum), plus the floor and cuBLAS rows.
+AdamW, one layer of each distinct shape at a time. One row per arm goes to the results table
+(step_ms: the model sum): the fused kernel's and its floor (path fused), the two-pass path's
+(two_pass), cuBLAS's bf16 dY^T X alone (cublas), and with fused and two_pass both, the sum of
+what auto would pick per shape.
 
     python benchmarks/kernel_microbench.py --state int8                    # the persistent kernel
     python benchmarks/kernel_microbench.py --kernel triton --configs all   # tile configs, best kept
     python benchmarks/kernel_microbench.py --ablate mainloop_only          # kernel_ablations.py
+    python benchmarks/kernel_microbench.py --tokens 2048 --paths fused,two_pass,cublas
     ncu --kernel-name regex:update --launch-skip 3 --launch-count 1 --set full -o prof \\
         python benchmarks/kernel_microbench.py --ncu gate_proj/up_proj     # launches only, no timing
 """
@@ -24,9 +29,10 @@ import triton
 from forge_hf.core.launch_args import next_launch_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import STATE_PRECISIONS, ForgeState
-from forge_hf.kernels.dispatch import launch_fused_update
+from forge_hf.kernels.dispatch import TWO_PASS_MARGIN, launch_fused_update, two_pass_step
 from forge_hf.kernels.fused_update import RULE_UPDATES, default_config
 from forge_hf.kernels.persistent_launch import launch_persistent, persistent_unsupported
+from forge_hf.kernels.two_pass import GradientScratch, matmul_fp32
 
 import kernel_ablations
 from models import SHAPES, linear_shapes
@@ -105,6 +111,27 @@ def parse_configs(text: str) -> list:
     return [tuple(int(v) for v in config.split(",")) for config in text.split(";")]
 
 
+PATHS = ("fused", "two_pass", "cublas")
+
+
+def parse_paths(text: str) -> list[str]:
+    paths = [p for p in text.split(",") if p]
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown or not paths:
+        raise SystemExit(f"--paths {text!r}: a comma-separated list of {list(PATHS)}")
+    return paths
+
+
+def two_pass_ms(opts, x, dy, w, slots, args, stats) -> tuple[float, float]:
+    """GPU ms of the two-pass step, and of its GEMM alone (fp32 output), on a scratch buffer of
+    this shape's own."""
+    scratch = GradientScratch(w.device)
+    step = partial(two_pass_step, x, dy, w, slots, args, stats, "adamw", opts.rounding == "stochastic", scratch)
+    total = gpu_ms(step)
+    gemm = gpu_ms(partial(matmul_fp32, dy.t(), x, scratch.view(*w.shape)))
+    return total, gemm
+
+
 def ncu_launches(opts) -> None:
     """A few launches on one shape and nothing else, for Nsight Compute to pick one."""
     shapes = {name: (n, k) for name, n, k, _ in linear_shapes(opts.model)}
@@ -134,6 +161,9 @@ def main():
                     help="triton: a register cap per thread (0: none; default: its own, default_config)")
     ap.add_argument("--ablate", default="none", choices=["none", *kernel_ablations.ABLATIONS],
                     help="time the kernel without one of its stages (kernel_ablations.py)")
+    ap.add_argument("--paths", default="fused,cublas",
+                    help="comma-separated, of fused (the --kernel kernel), two_pass (cuBLAS's fp32 gradient, "
+                         "then the rule's kernel), cublas (the bf16 GEMM dY^T X alone)")
     ap.add_argument("--ncu", metavar="SHAPE", help="only launch the kernel on this shape (e.g. gate_proj/up_proj)")
     ap.add_argument("--launches", type=int, default=5, help="with --ncu")
     ap.add_argument("--out", default=None, help="also write the per-shape timings as JSON")
@@ -143,48 +173,91 @@ def main():
         kernel_ablations.apply_triton(opts.ablate)
     if opts.ncu:
         return ncu_launches(opts)
+    paths = parse_paths(opts.paths)
     bandwidth, flops = ceilings()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
-    rows, total, floor_total, cublas_total = [], 0.0, 0.0, 0.0
+    rows = []
+    totals = dict.fromkeys(("fused", "floor", "two_pass", "two_pass_gemm", "auto", "cublas"), 0.0)
     for name, n, k, count in linear_shapes(opts.model):
         x, dy, w, state, args = layer(n, k, opts.tokens, opts.state)
-        slots, stats = state.kernel_slots(), torch.zeros(2, device="cuda")
+        slots, stats = state.kernel_slots(), torch.zeros(2, device=w.device)
         moved = 2 * opts.tokens * (n + k) + 2 * w.numel() * w.element_size() + 2 * state.nbytes()
         floor = max(moved / bandwidth, 2 * opts.tokens * n * k / flops) * 1e3
-        cublas = gpu_ms(partial(torch.mm, dy.t(), x))
-        timings = {}
-        for config in parse_configs(opts.configs) if opts.kernel == "triton" else [None]:
-            try:
-                timings[str(config or "default")] = gpu_ms(launcher(opts, x, dy, w, slots, args, stats, config))
-            except Exception as e:  # noqa: BLE001 - a config may not fit shared memory: a result too
-                print(name, config, type(e).__name__, str(e)[:100])
-        best = min(timings, key=timings.get)
-        total, floor_total, cublas_total = (total + timings[best] * count, floor_total + floor * count,
-                                            cublas_total + cublas * count)
-        rows.append(dict(shape=name, out=n, inp=k, count=count, floor_ms=floor, cublas_wgrad_ms=cublas,
-                         best_ms=timings[best], best_config=best, timings_ms=timings))
-        print(f"{name:18s} {n:6d}x{k:6d} x{count:<3d} kernel {timings[best]:.3f} ms ({best}), floor {floor:.3f} "
-              f"({100 * floor / timings[best]:.0f}%), cuBLAS dW {cublas:.3f}")
-    print(f"model sum: kernel {total:.2f} ms, floor {floor_total:.2f} ms ({100 * floor_total / total:.1f}%), "
-          f"cuBLAS dW {cublas_total:.2f} ms")
-    arm = f"kernel_{opts.kernel}_{opts.state}" + ("" if opts.ablate == "none" else f"_{opts.ablate}")
+        row = dict(shape=name, out=n, inp=k, count=count, floor_ms=floor)
+        parts = []
+        if "fused" in paths:
+            timings = {}
+            for config in parse_configs(opts.configs) if opts.kernel == "triton" else [None]:
+                try:
+                    timings[str(config or "default")] = gpu_ms(launcher(opts, x, dy, w, slots, args, stats, config))
+                except Exception as e:  # noqa: BLE001 - a config may not fit shared memory: a result too
+                    print(name, config, type(e).__name__, str(e)[:100])
+            best = min(timings, key=timings.get)
+            row.update(best_ms=timings[best], best_config=best, timings_ms=timings)
+            totals["fused"] += timings[best] * count
+            totals["floor"] += floor * count
+            parts.append(f"kernel {timings[best]:.3f} ms ({best}), floor {floor:.3f} "
+                         f"({100 * floor / timings[best]:.0f}%)")
+        if "two_pass" in paths:
+            row["two_pass_ms"], row["two_pass_gemm_ms"] = two_pass_ms(opts, x, dy, w, slots, args, stats)
+            totals["two_pass"] += row["two_pass_ms"] * count
+            totals["two_pass_gemm"] += row["two_pass_gemm_ms"] * count
+            parts.append(f"two-pass {row['two_pass_ms']:.3f} (GEMM fp32 out {row['two_pass_gemm_ms']:.3f})")
+        if "fused" in paths and "two_pass" in paths:  # dispatch's auto rule on these times
+            row["auto_path"] = "two_pass" if row["two_pass_ms"] < TWO_PASS_MARGIN * row["best_ms"] else "fused"
+            totals["auto"] += row[{"two_pass": "two_pass_ms", "fused": "best_ms"}[row["auto_path"]]] * count
+            parts[-1] += f" -> {row['auto_path']}"
+        if "cublas" in paths:
+            row["cublas_wgrad_ms"] = gpu_ms(partial(torch.mm, dy.t(), x))
+            totals["cublas"] += row["cublas_wgrad_ms"] * count
+            parts.append(f"cuBLAS dW {row['cublas_wgrad_ms']:.3f}")
+        rows.append(row)
+        print(f"{name:18s} {n:6d}x{k:6d} x{count:<3d} " + ", ".join(parts))
+        del x, dy, w, state, args, slots
+    summed = []
+    if "fused" in paths:
+        summed.append(f"kernel {totals['fused']:.2f} ms, floor {totals['floor']:.2f} ms "
+                      f"({100 * totals['floor'] / totals['fused']:.1f}%)")
+    if "two_pass" in paths:
+        summed.append(f"two-pass {totals['two_pass']:.2f} ms (its GEMMs {totals['two_pass_gemm']:.2f})")
+    if "fused" in paths and "two_pass" in paths:
+        summed.append(f"auto {totals['auto']:.2f} ms")
+    if "cublas" in paths:
+        summed.append(f"cuBLAS dW {totals['cublas']:.2f} ms")
+    print("model sum: " + ", ".join(summed))
+
     setup = f"AdamW, {opts.rounding} rounding, CUDA-graph replays, sum over {sum(r['count'] for r in rows)} linears"
-    if opts.kernel == "triton":
-        setup += f", configs {opts.configs}" + (f", maxnreg {opts.maxnreg}" if opts.maxnreg >= 0 else "")
     batch = f"1x{opts.tokens}"
-    append_rows([
-        dict(model=opts.model, batch=batch, arm=arm, step_ms=total, tool="kernel_microbench",
-             note=f"{setup}; {100 * floor_total / total:.1f}% of the memory floor"),
-        dict(model=opts.model, batch=batch, arm=f"memory_floor_{opts.state}", step_ms=floor_total,
-             tool="kernel_microbench", note=f"bytes moved at the measured copy bandwidth {bandwidth / 1e12:.2f} TB/s"),
-        dict(model=opts.model, batch=batch, arm="cublas_wgrad", step_ms=cublas_total, tool="kernel_microbench",
-             note="torch.mm(dy.t(), x) per shape, bf16, CUDA-graph replays"),
-    ], opts.table)
+    table = []
+    if "fused" in paths:
+        arm = f"kernel_{opts.kernel}_{opts.state}" + ("" if opts.ablate == "none" else f"_{opts.ablate}")
+        fused_setup = setup
+        if opts.kernel == "triton":
+            fused_setup += f", configs {opts.configs}" + (f", maxnreg {opts.maxnreg}" if opts.maxnreg >= 0 else "")
+        table += [
+            dict(arm=arm, step_ms=totals["fused"],
+                 note=f"{fused_setup}; {100 * totals['floor'] / totals['fused']:.1f}% of the memory floor"),
+            dict(arm=f"memory_floor_{opts.state}", step_ms=totals["floor"],
+                 note=f"bytes moved at the measured copy bandwidth {bandwidth / 1e12:.2f} TB/s"),
+        ]
+    if "two_pass" in paths:
+        table.append(dict(arm=f"two_pass_{opts.state}", step_ms=totals["two_pass"],
+                          note=f"{setup}; cuBLAS fp32-output dY^T X into a scratch buffer "
+                               f"({totals['two_pass_gemm']:.2f} ms of it), then the rule's kernel over it"))
+    if "fused" in paths and "two_pass" in paths:
+        picks = ", ".join(f"{r['shape']} {r['auto_path']}" for r in rows)
+        table.append(dict(arm=f"auto_{opts.kernel}_{opts.state}", step_ms=totals["auto"],
+                          note=f"{setup}; per shape the faster path by dispatch's rule "
+                               f"(two-pass under {TWO_PASS_MARGIN} of fused): {picks}"))
+    if "cublas" in paths:
+        table.append(dict(arm="cublas_wgrad", step_ms=totals["cublas"],
+                          note="torch.mm(dy.t(), x) per shape, bf16, CUDA-graph replays"))
+    append_rows([dict(model=opts.model, batch=batch, tool="kernel_microbench", **r) for r in table], opts.table)
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(dict(vars(opts), table=str(opts.table), bandwidth=bandwidth, matmul_flops=flops, rows=rows,
-                           total_ms=total, floor_ms=floor_total, cublas_wgrad_ms=cublas_total), f, indent=1)
-
+                           total_ms=totals["fused"], floor_ms=totals["floor"], two_pass_ms=totals["two_pass"],
+                           auto_ms=totals["auto"], cublas_wgrad_ms=totals["cublas"]), f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -178,3 +178,146 @@ def test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits():
         x, dy, w, slots, args, st, "adamw", True, blocks=(64, 64, 64)), "bf16", cuda, n=128, k=192, tokens=100)
     for a, b in zip(bound, pinned):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------- the fused-or-two-pass choice
+
+
+@pytest.fixture
+def fresh_choices(monkeypatch):
+    monkeypatch.setattr(dispatch, "_DECISIONS", {})
+    from forge_hf.kernels import two_pass
+
+    monkeypatch.setattr(two_pass, "_SCRATCH", {})
+
+
+def test_wgrad_paths_and_an_unknown_one(monkeypatch):
+    assert dispatch.WGRAD_PATHS == ("auto", "fused", "two_pass")
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
+    assert dispatch.wgrad_mode() == "auto"
+    monkeypatch.setenv("FORGE_HF_WGRAD", "")
+    assert dispatch.wgrad_mode() == "auto"
+    for mode in dispatch.WGRAD_PATHS:
+        monkeypatch.setenv("FORGE_HF_WGRAD", mode)
+        assert dispatch.wgrad_mode() == mode
+    monkeypatch.setenv("FORGE_HF_WGRAD", "cublas")
+    message = r"FORGE_HF_WGRAD='cublas': choose one of \['auto', 'fused', 'two_pass'\]"
+    with pytest.raises(ValueError, match=message):
+        dispatch.wgrad_mode()
+    w, state, *_ = _layer()
+    with pytest.raises(ValueError, match=message):  # when a layer's launch is bound, before any step
+        bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
+
+
+def test_auto_is_fused_on_cpu_without_timing(monkeypatch, fresh_choices, caplog):
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
+    monkeypatch.setattr(dispatch, "_time_paths_ms", None)  # a call would fail
+    with caplog.at_level("INFO", logger="forge_hf"):
+        fused = _steps(lambda w, slots, stats: bind_fused_update("triton", w, slots, stats, "adamw", True), "bf16")
+    direct = _steps(lambda w, slots, stats: lambda x, dy, args, st: launch_fused_update(
+        x, dy, w, slots, args, st, "adamw", True), "bf16")
+    assert all(torch.equal(a, b) for a, b in zip(fused, direct))
+    [(key, choice)] = dispatch.wgrad_choices().items()
+    assert key == dispatch.WgradKey("cpu", 70, 130, 64, "bfloat16", "bfloat16", (2, 2, 0), "adamw", False)
+    assert (choice.path, choice.reason, choice.tokens) == ("fused", "auto on cpu: no GPU to time on", 33)
+    assert [r.getMessage() for r in caplog.records if r.name == "forge_hf"] == [
+        "weight gradient of adamw 70x130 bfloat16 weights on cpu, 33 bfloat16 tokens (bucket <= 64) -> fused "
+        "(auto on cpu: no GPU to time on)"]
+
+
+def test_token_counts_share_a_decision_by_power_of_two_bucket():
+    assert [dispatch.token_bucket(t) for t in (0, 1, 2, 3, 64, 65, 512, 1500, 2048, 2049, 4096)] == \
+        [1, 1, 2, 4, 64, 128, 512, 2048, 2048, 4096, 4096]
+
+
+class _FakeTimer:
+    """Stands in for the CUDA-event timing: runs each path once, checking that it steps
+    copies (the layer's own weight does not move), and reports the given times."""
+
+    def __init__(self, times, weight):
+        self.times, self.weight, self.calls = times, weight, 0
+
+    def __call__(self, paths):
+        self.calls += 1
+        before = self.weight.clone()
+        for run in paths.values():
+            run()
+        assert torch.equal(self.weight, before), "a timed path stepped the layer's own weight"
+        return dict(self.times)
+
+
+@pytest.mark.parametrize("times,path", [(dict(fused=2.0, two_pass=1.0), "two_pass"),
+                                        (dict(fused=1.0, two_pass=0.99), "fused")],  # within the margin
+                         ids=["two_pass_faster", "two_pass_barely_faster"])
+def test_auto_times_both_paths_on_copies_once_per_shape(times, path, monkeypatch, fresh_choices, caplog):
+    """auto where it can time (a GPU; stood in for on CPU): the first launch at a shape
+    times both paths on copies of the weight and states, then steps the layer once by the
+    faster; later launches, and other layers of that shape, reuse the decision."""
+
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
+    monkeypatch.setattr(dispatch, "_unmeasurable", lambda x, dy, device: None)
+    formed_for, form = [], dispatch.weight_gradient
+
+    def noted(x, dy, weight, scratch):
+        formed_for.append(weight)
+        return form(x, dy, weight, scratch)
+
+    monkeypatch.setattr(dispatch, "weight_gradient", noted)
+    timers = []
+
+    def bound(w, slots, stats):
+        timers.append(_FakeTimer(times, w))
+        monkeypatch.setattr(dispatch, "_time_paths_ms", timers[-1])
+        return bind_fused_update("triton", w, slots, stats, "adamw", True)
+
+    with caplog.at_level("INFO", logger="forge_hf"):
+        chosen = _steps(bound, "bf16", steps=2)
+        again = _steps(bound, "bf16", steps=2)  # another layer of the same shape
+    assert [t.calls for t in timers] == [1, 0]
+    # the layer's own weight went through the two-pass path once a step if it won, never if not
+    layer_weights = {id(t.weight) for t in timers}
+    assert sum(id(w) in layer_weights for w in formed_for) == (4 if path == "two_pass" else 0)
+    monkeypatch.setenv("FORGE_HF_WGRAD", path)
+    forced = _steps(lambda w, slots, stats: bind_fused_update("triton", w, slots, stats, "adamw", True), "bf16")
+    for a, b, c in zip(chosen, again, forced):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    [measured] = [r.getMessage() for r in caplog.records if r.name == "forge_hf"]
+    assert measured.endswith(f": fused {times['fused']:.3f} ms, two-pass {times['two_pass']:.3f} ms -> {path} "
+                             "(measured)")
+
+
+def test_a_capture_before_any_timing_runs_fused_and_decides_later(monkeypatch, fresh_choices):
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
+    monkeypatch.setattr(dispatch, "_unmeasurable", lambda x, dy, device: None)
+    capturing = [True]
+    monkeypatch.setattr(dispatch, "is_capturing", lambda device: capturing[0])
+    w, state, rule, group = _layer()
+    timer = _FakeTimer(dict(fused=2.0, two_pass=1.0), w)
+    monkeypatch.setattr(dispatch, "_time_paths_ms", timer)
+    launch = bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
+    x, dy = exact_inputs((33, 130), 70, dtype=torch.bfloat16)
+    args = pack_args(rule.prepare(group, state.host), 1, 21, "cpu")
+    launch(x, dy, args, torch.zeros(2))
+    assert timer.calls == 0 and dispatch.wgrad_choices() == {}
+    capturing[0] = False
+    launch(x, dy, args, torch.zeros(2))
+    assert timer.calls == 1 and [c.path for c in dispatch.wgrad_choices().values()] == ["two_pass"]
+
+
+def test_the_reference_backend_has_one_path(monkeypatch, fresh_choices):
+    monkeypatch.setenv("FORGE_HF_WGRAD", "two_pass")
+    bound = _steps(lambda w, slots, stats: bind_fused_update("reference", w, slots, stats, "adamw", True), "bf16")
+    direct = _steps(lambda w, slots, stats: lambda x, dy, args, st: reference_fused_update(
+        x, dy, w, slots, args, st, "adamw", True), "bf16")
+    assert all(torch.equal(a, b) for a, b in zip(bound, direct))
+    assert dispatch.wgrad_choices() == {}
+
+
+def test_auto_keeps_the_fused_path_below_its_token_threshold_without_timing():
+    """Below AUTO_MIN_TOKENS the fused kernel wins (kernel_microbench --paths): auto then
+    neither times nor copies the layer; from it on, a GPU times both paths."""
+    cuda = torch.device("cuda")
+    small = torch.zeros(dispatch.AUTO_MIN_TOKENS - 1, 8, dtype=torch.bfloat16)
+    large = torch.zeros(dispatch.AUTO_MIN_TOKENS, 8, dtype=torch.bfloat16)
+    assert "below 1024 tokens" in dispatch._unmeasurable(small, small, cuda)
+    assert dispatch._unmeasurable(large, large, cuda) is None

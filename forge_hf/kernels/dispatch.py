@@ -12,18 +12,53 @@ state slots, the launch's argument tensor, stats, rule name, stochastic).
   being faster with the same bits; every other layer runs fused_update.py's kernel.
   ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on the latter;
 * ``auto``: ``triton`` where it can run, else ``reference``.
+
+On ``triton`` a layer's step takes one of two paths (issue #23), per layer shape:
+
+* ``fused``: the kernels above, the weight gradient formed tile by tile and never stored;
+* ``two_pass``: cuBLAS forms the whole fp32 weight gradient into a scratch buffer shared by
+  every layer on the device, then the rule runs over it (two_pass.py). At thousands of
+  tokens cuBLAS forms the gradient much faster than the fused kernel.
+
+``FORGE_HF_WGRAD`` in the environment (read when a layer's launch is bound) picks it:
+``fused``, ``two_pass``, or ``auto`` (default): on a GPU, the first step at a new shape times
+both paths on copies of the layer's weight and states and keeps the faster for every layer of
+that shape (wgrad_choices() lists the decisions; each is logged once, logger "forge_hf");
+elsewhere (CPU, the interpreter) auto is fused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from ..core.codecs import QuantisedSlot, storage_kind
 from .reference import reference_fused_update
+from .two_pass import GradientScratch, is_capturing, scratch_for, weight_gradient
 
 BACKENDS = ("auto", "triton", "reference")
+
+WGRAD_ENV = "FORGE_HF_WGRAD"
+WGRAD_PATHS = ("auto", "fused", "two_pass")
+# auto takes the two-pass path only where it is clearly faster: it costs a scratch buffer,
+# and one launch's time varies by a few percent
+TWO_PASS_MARGIN = 0.97
+MEASURE_ROUNDS = 3
+# Below this many tokens auto takes the fused path without timing (and without the timing's
+# copies of the layer, which would add to the step's peak): kernel_microbench --paths
+# measures the fused kernel ahead of the two passes at 512 tokens on Llama-3.1-8B's shapes
+AUTO_MIN_TOKENS = 1024
+# ~1 ms of GPU sleep before each timed path: the host queues the path's launches meanwhile,
+# so the gaps between them (absent from a CUDA-graph replay) are not timed
+HOST_LEAD_CYCLES = 2_000_000
+
+log = logging.getLogger("forge_hf")
 
 
 def _kernels():
@@ -64,10 +99,39 @@ def resolve_backend(backend: str, device: torch.device):
 
 
 def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stochastic: bool) -> Callable:
-    """``launch(x, dy, args, stats)``: the fused step of one layer whose weight and state
-    slots stay where they are, with what does not change between its steps prepared once
-    (the backend's choice, and on the persistent kernel its descriptors). Rebind when a
-    state is allocated or loaded."""
+    """``launch(x, dy, args, stats)``: the step of one layer whose weight and state slots
+    stay where they are, with what does not change between its steps prepared once (the
+    backend's choice, on the persistent kernel its descriptors, the FORGE_HF_WGRAD mode).
+    On ``triton`` each token count's first launch chooses the fused or the two-pass path.
+    Rebind when a state is allocated or loaded."""
+    fused = _bind_fused(backend, weight, slots, stats, rule_name, stochastic)
+    mode = wgrad_mode()
+    if resolve_backend(backend, weight.device) is not launch_fused_update:
+        return fused  # the reference: no Triton for the rule pass, and the same arithmetic anyway
+    def two_pass(x, dy, args, stats):
+        two_pass_step(x, dy, weight, slots, args, stats, rule_name, stochastic)
+
+    def measure(x, dy, args) -> dict[str, float]:
+        bind_copy = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
+        return _measure_paths(bind_copy, x, dy, weight, slots, args, rule_name, stochastic)
+
+    chosen: dict = {}  # (tokens, token dtype) -> this layer's path for them
+
+    def launch(x, dy, args, stats):
+        run = chosen.get((x.shape[0], x.dtype))
+        if run is None:
+            choice = _decide(wgrad_key(x, weight, slots, rule_name), mode, x, dy, args, measure)
+            if choice is None:  # a capture before any measurement: fused, measured at an eager step
+                run = fused
+            else:
+                run = chosen[(x.shape[0], x.dtype)] = two_pass if choice.path == "two_pass" else fused
+        run(x, dy, args, stats)
+    return launch
+
+
+def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: bool) -> Callable:
+    """The fused path's ``launch(x, dy, args, stats)``: the persistent kernel where it
+    applies, else the backend's function."""
     run = resolve_backend(backend, weight.device)
     if run is launch_fused_update and not _kernels().INTERPRETER:
         from .persistent_launch import PersistentLaunch, device_unsupported, tokens_unsupported, weight_unsupported
@@ -85,6 +149,161 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     def launch(x, dy, args, stats):
         run(x, dy, weight, slots, args, stats, rule_name, stochastic)
     return launch
+
+
+# ------------------------------------------------------------- fused or two-pass
+
+
+def wgrad_mode() -> str:
+    """FORGE_HF_WGRAD: ``auto`` (default, also when empty), ``fused`` or ``two_pass``."""
+    mode = os.environ.get(WGRAD_ENV) or "auto"
+    if mode not in WGRAD_PATHS:
+        raise ValueError(f"{WGRAD_ENV}={mode!r}: choose one of {list(WGRAD_PATHS)}")
+    return mode
+
+
+class WgradKey(NamedTuple):
+    """What the choice of path depends on. Token counts share a decision by power-of-two
+    bucket (``tokens`` is its top: 1025 to 2048 tokens are 2048), so variable-length batches
+    are not timed at every new length."""
+
+    device: str
+    out_features: int
+    in_features: int
+    tokens: int
+    token_dtype: str
+    weight_dtype: str
+    states: tuple  # the slots' storage kinds (core/codecs.py)
+    rule: str
+    column_major: bool  # a Conv1D's transposed weight
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradChoice:
+    path: str  # "fused" or "two_pass"
+    reason: str  # "measured", "FORGE_HF_WGRAD=...", or why auto did not measure
+    tokens: int  # the token count it was decided at
+    fused_ms: float | None = None
+    two_pass_ms: float | None = None
+
+
+MEASURED = "measured"
+_DECISIONS: dict[WgradKey, WgradChoice] = {}
+
+
+def token_bucket(tokens: int) -> int:
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
+def wgrad_key(x, weight, slots, rule_name: str) -> WgradKey:
+    n, k = weight.shape
+    return WgradKey(str(weight.device), n, k, token_bucket(x.shape[0]), str(x.dtype).removeprefix("torch."),
+                    str(weight.dtype).removeprefix("torch."), tuple(storage_kind(s) for s in slots), rule_name,
+                    weight.stride(0) < weight.stride(1))
+
+
+def wgrad_choices() -> dict[WgradKey, WgradChoice]:
+    """The path decided for each key so far, this process."""
+    return dict(_DECISIONS)
+
+
+def reset_wgrad_choices() -> None:
+    """Forget the decisions: launches bound from now on decide again (benchmarks, tests)."""
+    _DECISIONS.clear()
+
+
+def _unmeasurable(x, dy, device: torch.device) -> str | None:
+    """Why auto takes the fused path without timing (None: it times both)."""
+    if device.type != "cuda":
+        return f"auto on {device.type}: no GPU to time on"
+    if x.shape[0] < AUTO_MIN_TOKENS:
+        return f"auto below {AUTO_MIN_TOKENS} tokens: the fused kernel is the faster there"
+    if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
+        return "auto with fp32 tokens: the fused kernel keeps IEEE fp32 products where cuBLAS may use TF32"
+    return None
+
+
+def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | None:
+    """The path for ``key`` (None: fused for now, undecided)."""
+    tokens = x.shape[0]
+    if mode != "auto":
+        return _record(key, WgradChoice(mode, f"{WGRAD_ENV}={mode}", tokens))
+    known = _DECISIONS.get(key)
+    if known is not None and not known.reason.startswith(WGRAD_ENV):
+        return known
+    device = torch.device(key.device)
+    reason = _unmeasurable(x, dy, device)
+    if reason is not None:
+        return _record(key, WgradChoice("fused", reason, tokens))
+    if is_capturing(device):
+        return None
+    try:
+        times = measure(x, dy, args)
+    except torch.OutOfMemoryError:
+        return _record(key, WgradChoice("fused", "auto: out of memory while timing the paths", tokens))
+    path = "two_pass" if times["two_pass"] < TWO_PASS_MARGIN * times["fused"] else "fused"
+    return _record(key, WgradChoice(path, MEASURED, tokens, times["fused"], times["two_pass"]))
+
+
+def _record(key: WgradKey, choice: WgradChoice) -> WgradChoice:
+    previous = _DECISIONS.get(key)
+    _DECISIONS[key] = choice
+    if previous is None or (previous.path, previous.reason) != (choice.path, choice.reason):
+        log.info("%s", describe_choice(key, choice))
+    return choice
+
+
+def describe_choice(key: WgradKey, choice: WgradChoice) -> str:
+    """One line: the layer shape, its tokens, the times if measured, the path and why."""
+    times = "" if choice.fused_ms is None else \
+        f": fused {choice.fused_ms:.3f} ms, two-pass {choice.two_pass_ms:.3f} ms"
+    return (f"weight gradient of {key.rule} {key.out_features}x{key.in_features} {key.weight_dtype} weights on "
+            f"{key.device}, {choice.tokens} {key.token_dtype} tokens (bucket <= {key.tokens}){times} -> "
+            f"{choice.path} ({choice.reason})")
+
+
+def copy_layer(weight, slots) -> tuple:
+    """Copies of a weight and its state slots with the same shapes and strides (the kernels
+    need the slots laid out as the weight)."""
+    def copy(t):
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+    slot_copies = [None if s is None else
+                   dataclasses.replace(s, codes=copy(s.codes), meta=copy(s.meta)) if isinstance(s, QuantisedSlot)
+                   else copy(s) for s in slots]
+    return copy(weight), slot_copies
+
+
+def _measure_paths(bind_fused, x, dy, weight, slots, args, rule_name, stochastic) -> dict[str, float]:
+    """GPU milliseconds of this step by each path, both run on copies of the weight and its
+    states: the layer itself is then stepped once, by the path chosen."""
+    weight_copy, slot_copies = copy_layer(weight, slots)
+    stats = torch.zeros(2, dtype=torch.float32, device=weight.device)
+    fused = bind_fused(weight_copy, slot_copies, stats)
+    scratch = GradientScratch(weight.device)  # its own: the shared one grows only for layers taking the path
+    return _time_paths_ms({
+        "fused": lambda: fused(x, dy, args, stats),
+        "two_pass": lambda: two_pass_step(x, dy, weight_copy, slot_copies, args, stats, rule_name, stochastic,
+                                          scratch),
+    })
+
+
+def _time_paths_ms(paths: dict[str, Callable[[], None]], rounds: int = MEASURE_ROUNDS) -> dict[str, float]:
+    """GPU milliseconds of each path on the current stream: the best of ``rounds``, after one
+    untimed run each (compilation, cuBLAS's set-up)."""
+    for run in paths.values():
+        run()
+    best = dict.fromkeys(paths, math.inf)
+    for _ in range(rounds):
+        for name, run in paths.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(HOST_LEAD_CYCLES)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            best[name] = min(best[name], start.elapsed_time(end))
+    return best
 
 
 def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
@@ -108,6 +327,14 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
     grid, positional, constexprs = fused_update.fused_launch_arguments(
         x, dy, weight, slots, args, stats, rule_name, stochastic, blocks or config["blocks"])
     fused_update.launch_fused_kernel(grid, positional, constexprs, config)
+
+
+def two_pass_step(x, dy, weight, slots, args, stats, rule_name: str, stochastic: bool,
+                  scratch: GradientScratch | None = None) -> None:
+    """One step of one layer, arguments as launch_fused_update's: the gradient by cuBLAS
+    into ``scratch`` (default: the device's shared buffer, two_pass.py), then the rule over it."""
+    grad = weight_gradient(x, dy, weight, scratch if scratch is not None else scratch_for(weight.device))
+    launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic)
 
 
 def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic) -> None:
