@@ -182,3 +182,25 @@ def test_descriptors_take_the_default_swizzle_of_their_dtype():
         d = tensor_descriptor(torch.zeros(128, 192, dtype=dtype))
         assert d.layout == gl.NVMMASharedLayout.get_default_for([64, 64], gl_dtype)
         assert list(d.block_shape) == [64, 64] and list(d.shape) == [128, 192]
+
+
+def test_token_descriptors_from_a_template_equal_tritons_and_keep_no_tensor_alive():
+    """PersistentLaunch builds its tokens' descriptors from a checked one without Triton's
+    checks again: the same descriptor, and the first tokens are not kept alive by it."""
+    import gc
+    import weakref
+
+    from forge_hf.kernels.persistent_launch import PersistentLaunch
+    from forge_hf.kernels.persistent_update import tensor_descriptor
+
+    launch = object.__new__(PersistentLaunch)  # only the descriptor part: no GPU, no kernel
+    launch._token_templates = {}
+    first = torch.zeros(512, 128, dtype=torch.bfloat16)
+    gone = weakref.ref(first)
+    assert launch._token_descriptor(first) == tensor_descriptor(first)
+    del first
+    gc.collect()
+    assert gone() is None
+    later = torch.ones(192, 320, dtype=torch.bfloat16)[:, :256]  # a view: other shape and row stride
+    made = launch._token_descriptor(later)
+    assert made == tensor_descriptor(later) and made.base is later

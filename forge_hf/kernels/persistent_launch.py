@@ -129,10 +129,27 @@ class PersistentLaunch:
         self.n, self.k = weight.shape
         self.grid = _grid(weight)
         self._again: dict = {}  # what Triton specialises on that may change: token count, args' alignment
+        self._token_templates: dict = {}  # dtype -> a checked descriptor of tokens, reused for others
+
+    def _token_descriptor(self, t: torch.Tensor):
+        """A descriptor of ``t`` (bf16, TMA-aligned: tokens_unsupported checked it) made from
+        a checked one of the same dtype without Triton's checks again: they were most of the
+        host time of building it, twice a launch."""
+        template = self._token_templates.get(t.dtype)
+        if template is None:
+            checked = tensor_descriptor(t)
+            # its fields without the tensor, which the template must not keep alive
+            self._token_templates[t.dtype] = (type(checked), {**checked.__dict__, "base": None})
+            return checked
+        cls, fields = template
+        descriptor = object.__new__(cls)
+        descriptor.__dict__.update(fields, base=t, shape=t.shape, strides=t.stride())
+        return descriptor
 
     def __call__(self, x, dy, args, stats) -> None:
         t = x.shape[0]
-        positional = [tensor_descriptor(x), tensor_descriptor(dy), *self.fixed, args, stats, self.n, self.k, t]
+        positional = [self._token_descriptor(x), self._token_descriptor(dy), *self.fixed, args, stats,
+                      self.n, self.k, t]
         spec = (t == 1, t % 16 == 0, args.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
         again = self._again.get(spec)
         if again is None:
