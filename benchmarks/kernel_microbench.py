@@ -152,7 +152,7 @@ def main():
     ap.add_argument("--state", default="bf16", choices=STATE_PRECISIONS)
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
     ap.add_argument("--kernel", default="persistent", choices=["persistent", "triton"],
-                    help="persistent: the Gluon kernel (Hopper; bf16 weight, bf16, int8 or al8 state); "
+                    help="persistent: the Gluon kernel (Hopper; bf16 weight, bf16 or int8 state); "
                          "triton: fused_update.py's")
     ap.add_argument("--configs", default="default",
                     help="triton: 'default' (its own per shape), 'all' (CONFIGS, best kept) "

@@ -13,7 +13,7 @@ from forge_hf.core import codecs
 from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
-from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_unsupported, weight_unsupported
+from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_unsupported
 
 BF16 = torch.bfloat16
 
@@ -42,16 +42,16 @@ def test_layout_checks_name_what_stands_in_the_way():
     wide = torch.zeros(100, 200, dtype=BF16)
     assert "x or dy" in layout_unsupported(wide[:, 1:193], dy, w, slots)  # 2 bytes off 16
     assert "x or dy" in layout_unsupported(x, dy.t().contiguous().t(), w, slots)
+    _, _, _, int8_state, _, _ = _tensors(precision="int8")
+    assert layout_unsupported(x, dy, w, int8_state.kernel_slots()) is None
     from dataclasses import replace
-    for precision in ("int8", "al8"):  # al8: exp_avg absmax8, exp_avg_sq al8 (uint8 codes, (lo, width) a block)
-        slots = _tensors(precision=precision)[3].kernel_slots()
-        assert layout_unsupported(x, dy, w, slots) is None and weight_unsupported(w, slots) is None
-        for i in (0, 1):
-            row_major_meta = list(slots)
-            row_major_meta[i] = replace(slots[i], meta=slots[i].meta.contiguous())
-            assert "8-bit metadata" in layout_unsupported(x, dy, w, row_major_meta)
+    int8_slots = int8_state.kernel_slots()
+    row_major_meta = [replace(int8_slots[0], meta=int8_slots[0].meta.contiguous())] + int8_slots[1:]
+    assert "8-bit metadata" in layout_unsupported(x, dy, w, row_major_meta)
+    _, _, _, al8_state, _, _ = _tensors(precision="al8")
+    assert "neither bf16, int8 nor absent" in layout_unsupported(x, dy, w, al8_state.kernel_slots())
     _, _, _, fp32_state, _, _ = _tensors(precision="fp32")
-    assert "neither bf16, int8, al8 nor absent" in layout_unsupported(x, dy, w, fp32_state.kernel_slots())
+    assert "neither bf16, int8 nor absent" in layout_unsupported(x, dy, w, fp32_state.kernel_slots())
 
 
 def test_cpu_tensors_and_the_environment_switch_keep_the_triton_kernel(monkeypatch):
@@ -59,25 +59,6 @@ def test_cpu_tensors_and_the_environment_switch_keep_the_triton_kernel(monkeypat
     assert "Hopper" in persistent_unsupported(x, dy, w, state.kernel_slots())
     monkeypatch.setenv("FORGE_HF_KERNEL", "triton")
     assert persistent_unsupported(x, dy, w, state.kernel_slots()) == "FORGE_HF_KERNEL=triton"
-
-
-def test_8bit_codes_travel_as_int8_and_metadata_as_allocated():
-    """The state slots share one shared-memory ring of one dtype: al8's uint8 codes go in as
-    their int8 view (the same bytes), next to absmax8's int8 codes."""
-    from forge_hf.kernels.fused_update import RULE_UPDATES
-    from forge_hf.kernels.persistent_launch import persistent_launch_arguments
-    x, dy, w, state, rule, group = _tensors(precision="al8")
-    slots = state.kernel_slots()
-    assert [s.codes.dtype for s in slots[:2]] == [torch.int8, torch.uint8] and slots[2] is None
-    args = pack_args(rule.prepare(group, state.host), state.host["step"], 0, "cpu")
-    positional, constexprs, _ = persistent_launch_arguments(x, dy, w, slots, args, torch.zeros(2),
-                                                            RULE_UPDATES["adamw"], True)
-    s0, s1 = positional[3], positional[4]
-    for desc, slot in ((s0, slots[0]), (s1, slots[1])):
-        assert desc.base.dtype == torch.int8 and desc.base.data_ptr() == slot.codes.data_ptr()
-    assert positional[6] is slots[0].meta and positional[7] is slots[1].meta
-    assert slots[1].meta.shape == (128, 3, 2) and slots[1].meta.stride() == (2, 256, 1)
-    assert (constexprs["S0"], constexprs["S1"], constexprs["S2"]) == (codecs.ABSMAX8, codecs.AL8, codecs.NONE)
 
 
 def test_epilogue_buffers_skip_absent_slots():
@@ -123,7 +104,7 @@ def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("rule_name,hp", RULES)
 @pytest.mark.parametrize("n,k,t", [(128, 192, 100), (320, 256, 515), (64, 64, 1)])
-@pytest.mark.parametrize("precision", ["bf16", "int8", "al8"])
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_same_bits_as_the_triton_kernel(rule_name, hp, n, k, t, stochastic, precision):
     results = {}
     for kernel in ("persistent", "triton"):
@@ -134,20 +115,18 @@ def test_same_bits_as_the_triton_kernel(rule_name, hp, n, k, t, stochastic, prec
     for a, b in zip(got, ref):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-        else:  # 8-bit: codes and metadata (scales; al8's (lo, width)), bit for bit
-            assert torch.equal(a.codes, b.codes) and torch.equal(a.meta.view(torch.int32), b.meta.view(torch.int32))
+        else:  # 8-bit: codes and scales
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.meta, b.meta)
     torch.testing.assert_close(got_stats, ref_stats, rtol=1e-6, atol=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
-@pytest.mark.parametrize("precision", ["bf16", "int8", "al8"])
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_a_block_with_a_non_finite_gradient_is_skipped_and_counted(precision):
     x, dy, w, state, rule, group = _tensors(192, 128, 70, precision, "cuda")
     dy[5, 70] = float("nan")  # rows 64-127: the second band of blocks, both columns
-    slots = [s for s in state.kernel_slots() if s is not None]
-    # weight, states (8-bit: codes), and 8-bit metadata: (out_features, blocks, width), rows first
-    tensors = lambda: [w] + [getattr(s, "codes", s) for s in slots] + [s.meta for s in slots if hasattr(s, "meta")]  # noqa: E731
+    tensors = lambda: [w] + [getattr(s, "codes", s) for s in state.kernel_slots() if s is not None]  # noqa: E731
     before = [t.clone() for t in tensors()]
     _, stats = _run("persistent", x, dy, w, state, rule, group, steps=1, stochastic=True)
     assert stats[1].item() == 2  # two 64 x 64 blocks
@@ -158,17 +137,14 @@ def test_a_block_with_a_non_finite_gradient_is_skipped_and_counted(precision):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
-@pytest.mark.parametrize("precision", ["bf16", "al8"])
-def test_a_fused_layer_takes_the_persistent_kernel(monkeypatch, precision):
+def test_a_fused_layer_takes_the_persistent_kernel(monkeypatch):
     import forge_hf.kernels.persistent_launch as persistent
     from forge_hf import patch_model
     calls = []
-    launch, bound = persistent.launch_persistent, persistent.PersistentLaunch.__call__
+    launch = persistent.launch_persistent
     monkeypatch.setattr(persistent, "launch_persistent", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
-    # a layer's bound launch (dispatch.bind_fused_update) calls the kernel through PersistentLaunch
-    monkeypatch.setattr(persistent.PersistentLaunch, "__call__", lambda *a: calls.append(1) or bound(*a))
     model = torch.nn.Sequential(torch.nn.Linear(192, 128, bias=False)).cuda().to(BF16)
-    patch_model(model, optimizer="adamw", state_precision=precision, min_params=0, lr=1e-3)
+    patch_model(model, optimizer="adamw", state_precision="bf16", min_params=0, lr=1e-3)
     before = model[0].weight.detach().clone()
     model(torch.randn(4, 33, 192, device="cuda", dtype=BF16)).float().square().mean().backward()
     assert calls and not torch.equal(model[0].weight.detach(), before)

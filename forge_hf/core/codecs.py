@@ -23,8 +23,7 @@ beta2 = 0.999 a step of v is far below half a code, so round-to-nearest only eve
 up on gradient spikes: v ratcheted 7% high in that test (0.1% with stochastic codes).
 
 The arithmetic (``*_encode``/``*_decode``) uses only the free name ``ops``, bound to
-``triton.language`` by kernels/state_tiles.py (its log2 the GPU's approximate one) and to
-torch here, like the rules' updates.
+``triton.language`` by kernels/state_tiles.py and to torch here, like the rules' updates.
 """
 
 from __future__ import annotations
@@ -74,39 +73,27 @@ def absmax_decode(codes, scale):
 
 
 def log_encode(x, valid, u):
-    """The codes in [0, 255] as biased floats, ROUNDER + code (as absmax_encode's), and the
-    block's log2 lower end and width. ``u``, in units of 2**-16 (the kernels' 16 random bits
-    as they are), is 32768 (a half) to round to the nearer grid value, or uniform in
-    [0, 65536) to round up with probability equal to the position between the two
-    (unbiased)."""
-    # 2**-126: no subnormal logs; a value <= 0 (or outside the weight) has log -inf. The mask
-    # acts on the input: the kernels then hold no per-element mask while the logs complete.
-    lx = ops.log2(ops.where(valid & (x > 0.0), ops.maximum(x, 1.1754943508222875e-38), 0.0))
-    lo = ops.min(ops.where(lx > -1e30, lx, 1e30), axis=-1)
-    hi = ops.minimum(ops.max(lx, axis=-1), 126.0)  # 2**hi stays finite
+    """Codes in [0, 255] (as floats), the block's log2 lower end and width. ``u`` is 0.5 to
+    round to the nearer grid value, or uniform in [0, 1) to round up with probability equal
+    to the position between the two (unbiased)."""
+    positive = valid & (x > 0.0)
+    lx = ops.log2(ops.maximum(x, 1.1754943508222875e-38))  # 2**-126: no subnormal logs
+    lo = ops.min(ops.where(positive, lx, 1e30), axis=-1)
+    hi = ops.minimum(ops.max(ops.where(positive, lx, -1e30), axis=-1), 126.0)  # 2**hi stays finite
     lo = ops.where(hi >= lo, lo, 0.0)  # a block with no positive value
     width = ops.maximum(hi - lo, 0.0625)  # MIN_LOG_WIDTH (a bound function sees only ops)
-    # Per block: one correctly rounded division and an exp2; per element products and one
-    # exp2. The kernels' time follows their instructions per element: a division and a
-    # second exp2 per element made al8's encode several times int8's.
-    step = width * 0.003937007859349251  # 1/254 rounded to fp32 (exact): log_decode's step
-    per_step = ops.expand_dims(ops.div_rn(254.0, width), -1)
-    # (next grid value - grid value) / grid value, times u's unit 2**-16
-    gap = ops.expand_dims((ops.exp2(step) - 1.0) * 1.52587890625e-05, -1)
+    step = ops.expand_dims(ops.div_rn(width, 254.0), -1)
     lo_x = ops.expand_dims(lo, -1)
-    # level 0..253 where x > 0 (there lx >= lo); -1 where lx is -inf, where x <= 0 < below
-    # makes ``up`` false: code 0 (outside the weight, x may be > 0: such codes are not stored)
-    level = ops.maximum(ops.minimum(ops.floor((lx - lo_x) * per_step), 253.0), -1.0)
-    below = ops.exp2(lo_x + level * ops.expand_dims(step, -1))  # code level + 1's value (to a rounding)
-    up = x - below > u * (below * gap)
-    return level + ops.where(up, 12582914.0, 12582913.0), lo, width  # ROUNDER + code
+    level = ops.minimum(ops.maximum(ops.floor(ops.div_rn(lx - lo_x, step)), 0.0), 253.0)
+    below = ops.exp2(lo_x + level * step)
+    above = ops.exp2(lo_x + (level + 1.0) * step)
+    level = level + ops.where(x - below > u * (above - below), 1.0, 0.0)
+    return ops.where(positive, level + 1.0, 0.0), lo, width
 
 
 def log_decode(codes, lo, width):
-    """Code c > 0 is 2**(lo + (c - 1) * step), computed from lo - step, once a block."""
-    step = width * 0.003937007859349251  # 1/254 rounded to fp32 (exact): log_encode's step
-    base = ops.expand_dims(lo - step, -1)
-    return ops.where(codes > 0.0, ops.exp2(base + codes * ops.expand_dims(step, -1)), 0.0)
+    step = ops.expand_dims(ops.div_rn(width, 254.0), -1)
+    return ops.where(codes > 0.0, ops.exp2(ops.expand_dims(lo, -1) + (codes - 1.0) * step), 0.0)
 
 
 # ------------------------------------------------------------ codec table
@@ -196,9 +183,8 @@ def _blocked(x: torch.Tensor, fill=0.0) -> torch.Tensor:
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
-    """Uniform [0, 1) from 16 random bits held in int64 (the kernels pass log_encode the bits
-    as they are, in its units of 2**-16); 2**-16 steps are far finer than any 8-bit code's
-    rounding needs."""
+    """Uniform [0, 1) from 16 random bits held in int64 (kernels/state_tiles.py: uniform); 2**-16
+    steps are far finer than any 8-bit code's rounding needs."""
     return bits.float() * 2.0**-16
 
 
@@ -209,15 +195,15 @@ def encode(codec: Codec, x: torch.Tensor, u: torch.Tensor | float = 0.5):
     x3 = _blocked(x.float())
     valid = _blocked(torch.ones_like(x, dtype=torch.bool), fill=False)
     if codec.kind == AL8:
-        u3 = (_blocked(u) if isinstance(u, torch.Tensor) else u) * 65536.0  # exact: log_encode's unit
-        biased, lo, width = _log_encode(x3, valid, u3)
+        u3 = _blocked(u) if isinstance(u, torch.Tensor) else u
+        codes, lo, width = _log_encode(x3, valid, u3)
         meta = torch.stack([lo, width], dim=-1)
     else:
         biased, scale = _absmax_encode(x3, valid)
         if codec.kind == ABSMAX8_FLOORED:
             biased = _floor_positive(biased, x3)
+        codes = biased - ROUNDER
         meta = scale[..., None]
-    codes = biased - ROUNDER
     return codes.flatten(1)[:, :cols].to(codec.code_dtype), meta
 
 

@@ -8,7 +8,7 @@ state slots, the launch's argument tensor, stats, rule name, stochastic).
 * ``reference``: kernels/reference.py, PyTorch tile by tile (CPU, and the tests' oracle);
 * ``triton``: the GPU kernels (or Triton's interpreter on CPU tensors under
   TRITON_INTERPRET=1). On a Hopper GPU a layer the persistent kernel takes (bf16 weight,
-  bf16, int8 or al8 states, both dimensions multiples of 64: persistent_launch.py) runs there,
+  bf16 or int8 states, both dimensions multiples of 64: persistent_launch.py) runs there,
   being faster with the same bits; every other layer runs fused_update.py's kernel.
   ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on the latter;
 * ``auto``: ``triton`` where it can run, else ``reference``.

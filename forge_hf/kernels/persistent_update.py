@@ -15,10 +15,9 @@ overlap a program that owns one block from start to end cannot get (docs/perform
 has the measurements behind each choice). A block whose squared gradient
 sum is not finite is not written; it is counted, others add their sum to ``stats``.
 
-Covers the common case (persistent_launch.py says which): a bf16 weight with bf16, int8 or al8
-(absmax8 and al8 codes, core/codecs.py) or absent states in its row-major layout, N and K
-multiples of 64 (an 8-bit slot's codec blocks are then the blocks' rows), bf16 x and dy, a
-Hopper GPU.
+Covers the common case (persistent_launch.py says which): a bf16 weight with bf16, int8
+(absmax, core/codecs.py) or absent states in its row-major layout, N and K multiples of 64 (an
+8-bit slot's codec blocks are then the blocks' rows), bf16 x and dy, a Hopper GPU.
 fused_update.py's kernel serves everything else.
 """
 # no `from __future__ import annotations`: the aggregate checks its field types at run time
@@ -37,19 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .state_tiles import (
-    ABSMAX8,
-    AL8,
-    BF16,
-    NONE,
-    absmax_biased,
-    absmax_decode,
-    int8_code,
-    log_decode,
-    log_encode,
-    uniform16,
-)
-from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits, slot_bits
+from .state_tiles import ABSMAX8, BF16, NONE, absmax_biased, absmax_decode, int8_code
+from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
 from .tile_step import finite_sumsq, load_step_args
 
 # TMA copies: Triton 3.6's names, renamed async_load / async_store in later releases
@@ -74,7 +62,7 @@ class Shared:
     x_bufs: gl.shared_memory_descriptor  # (2 * NUM_BUF, 64, 64): token chunks of x, a ring per lane
     dy_bufs: gl.shared_memory_descriptor  # of dy
     w_bufs: gl.shared_memory_descriptor  # (2, 64, 64) bf16 bits: a lane's weight block
-    s_bufs: gl.shared_memory_descriptor  # (2 * slots, 64, 64): its state blocks (bf16 bits or 8-bit codes as int8)
+    s_bufs: gl.shared_memory_descriptor  # (2 * slots, 64, 64): its state blocks (bf16 bits or 8-bit codes)
     empty: gl.shared_memory_descriptor  # (2 * NUM_BUF, 1): a ring slot may be refilled
     ready: gl.shared_memory_descriptor  # its chunk has landed
     ep_empty: gl.shared_memory_descriptor  # (2, 1): a lane's epilogue buffers are free again
@@ -161,42 +149,27 @@ def producer(p, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr,
 
 
 @gluon.jit
-def _meta_block(off_n, off_k, N, layout: gl.constexpr):
-    """Metadata index of a block's codec blocks, its rows: (column // 64) * N + row
-    (codecs.meta_strides)."""
-    return (off_k // BLOCK) * N + off_n + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-
-
-@gluon.jit
-def _meta(meta_ptr, off_n, off_k, N, layout: gl.constexpr, KIND: gl.constexpr):
-    """An 8-bit slot's per-row metadata of a block (its codec blocks are the block's rows):
-    (scale, scale) for absmax8, (lo, width) for al8 (state_tiles.load_meta); zeros for other slots."""
-    if KIND == AL8:
-        block = _meta_block(off_n, off_k, N, layout)
-        first = gl.load(meta_ptr + 2 * block)
-        second = gl.load(meta_ptr + 2 * block + 1)
-    elif KIND >= ABSMAX8:
-        first = gl.load(meta_ptr + _meta_block(off_n, off_k, N, layout))
-        second = first
+def _scales(meta_ptr, off_n, off_k, N, layout: gl.constexpr, KIND: gl.constexpr):
+    """An 8-bit slot's per-row scales of a block (its codec blocks are the block's rows;
+    metadata index (column // 64) * N + row, codecs.meta_strides); 0 for other slots."""
+    if KIND >= ABSMAX8:
+        rows = off_n + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+        scale = gl.load(meta_ptr + (off_k // BLOCK) * N + rows)
     else:
-        first = 0.0
-        second = 0.0
-    return first, second
+        scale = 0.0
+    return scale
 
 
 @gluon.jit
-def _load_state(p, lane: gl.constexpr, slot: gl.constexpr, meta, layout: gl.constexpr,
+def _load_state(p, lane: gl.constexpr, slot: gl.constexpr, scale, layout: gl.constexpr,
                 S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, KIND: gl.constexpr):
     raw = p.s_bufs.index(s_index(lane, slot, S0, S1, S2)).load(layout)
     if KIND == BF16:
         value = bf16_bits_to_fp32(raw)
-    elif KIND == AL8:
-        # the byte is a uint8 code (carried as int8): one I2F.U8
-        value = log_decode(raw.to(gl.uint8, bitcast=True).to(gl.float32), meta[0], meta[1])
     else:
         # one conversion (I2F.S8, the byte picked in the instruction) in place of
         # code_to_float's three: this kernel's time follows its instruction count
-        value = absmax_decode(raw.to(gl.float32), meta[0])
+        value = absmax_decode(raw.to(gl.float32), scale)
     return value
 
 
@@ -204,29 +177,19 @@ def _load_state(p, lane: gl.constexpr, slot: gl.constexpr, meta, layout: gl.cons
 def _stage_state(p, lane: gl.constexpr, slot: gl.constexpr, value, h, meta_ptr, off_n, off_k, N,
                  STOCHASTIC: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
                  KIND: gl.constexpr):
-    """Write a state block into its buffer (an 8-bit one's metadata straight to memory), as
-    state_tiles.store_state does: slot s takes the hash's slot s + 1."""
+    """Write a state block into its buffer (an 8-bit one's scales straight to memory)."""
     buf = p.s_bufs.index(s_index(lane, slot, S0, S1, S2))
     if KIND == BF16:
-        buf.store(fp32_to_bf16_bits(value, h, slot + 1, STOCHASTIC))
-    elif KIND == AL8:
-        if STOCHASTIC:
-            u = uniform16(slot_bits(h, slot + 1))
-        else:
-            u = 32768.0  # a half
-        biased, lo, width = log_encode(value, True, u)  # every element lies inside the weight
-        buf.store(int8_code(biased))  # the uint8 code's bits
-        block = _meta_block(off_n, off_k, N, value.type.layout)
-        gl.store(meta_ptr + 2 * block, lo)
-        gl.store(meta_ptr + 2 * block + 1, width)
+        buf.store(fp32_to_bf16_bits(value, h, slot + 1, STOCHASTIC))  # slot s: hash slot s + 1
     else:
         biased, scale = absmax_biased(value, True, KIND)
         buf.store(int8_code(biased))
-        gl.store(meta_ptr + _meta_block(off_n, off_k, N, value.type.layout), scale)
+        rows = off_n + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, value.type.layout))
+        gl.store(meta_ptr + (off_k // BLOCK) * N + rows, scale)
 
 
 @gluon.jit
-def epilogue(p, acc, lane: gl.constexpr, phase, off_n, off_k, N, K, c, row0, salt, step, meta_ptrs, metas,
+def epilogue(p, acc, lane: gl.constexpr, phase, off_n, off_k, N, K, c, row0, salt, step, meta, scales,
              RULE_UPDATE: gl.constexpr, STOCHASTIC: gl.constexpr,
              S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
     """The rule on one block's gradient; returns its squared sum and whether the block
@@ -239,11 +202,11 @@ def epilogue(p, acc, lane: gl.constexpr, phase, off_n, off_k, N, K, c, row0, sal
     s1 = s0
     s2 = s0
     if S0 != NONE:
-        s0 = _load_state(p, lane, 0, metas[0], layout, S0, S1, S2, S0)
+        s0 = _load_state(p, lane, 0, scales[0], layout, S0, S1, S2, S0)
     if S1 != NONE:
-        s1 = _load_state(p, lane, 1, metas[1], layout, S0, S1, S2, S1)
+        s1 = _load_state(p, lane, 1, scales[1], layout, S0, S1, S2, S1)
     if S2 != NONE:
-        s2 = _load_state(p, lane, 2, metas[2], layout, S0, S1, S2, S2)
+        s2 = _load_state(p, lane, 2, scales[2], layout, S0, S1, S2, S2)
     w, s0, s1, s2 = RULE_UPDATE(w, acc, s0, s1, s2, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9],
                                 c[10], c[11])
     if STOCHASTIC:
@@ -256,11 +219,11 @@ def epilogue(p, acc, lane: gl.constexpr, phase, off_n, off_k, N, K, c, row0, sal
         # each thread overwrites only the elements it read: no barrier in between
         p.w_bufs.index(lane).store(fp32_to_bf16_bits(w, h, 0, STOCHASTIC))
         if S0 != NONE:
-            _stage_state(p, lane, 0, s0, h, meta_ptrs[0], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S0)
+            _stage_state(p, lane, 0, s0, h, meta[0], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S0)
         if S1 != NONE:
-            _stage_state(p, lane, 1, s1, h, meta_ptrs[1], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S1)
+            _stage_state(p, lane, 1, s1, h, meta[1], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S1)
         if S2 != NONE:
-            _stage_state(p, lane, 2, s2, h, meta_ptrs[2], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S2)
+            _stage_state(p, lane, 2, s2, h, meta[2], off_n, off_k, N, STOCHASTIC, S0, S1, S2, S2)
         fence_async_shared()
         _ep_copies(p, lane, off_n, off_k, False, S0, S1, S2)
         tma.store_wait(0)  # the copies have read the buffers (deferring this gained nothing)
@@ -285,9 +248,9 @@ def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.c
         off_n = (block % blocks_n) * BLOCK
         off_k = (block // blocks_n) * BLOCK
         acc = gl.zeros((BLOCK, BLOCK), gl.float32, mma)
-        # 8-bit slots' metadata: loaded now, used after the main loop
-        metas = (_meta(m0_ptr, off_n, off_k, N, mma, S0), _meta(m1_ptr, off_n, off_k, N, mma, S1),
-                 _meta(m2_ptr, off_n, off_k, N, mma, S2))
+        # 8-bit slots' scales: loaded now, used after the main loop
+        scales = (_scales(m0_ptr, off_n, off_k, N, mma, S0), _scales(m1_ptr, off_n, off_k, N, mma, S1),
+                  _scales(m2_ptr, off_n, off_k, N, mma, S2))
         if ABLATE != EPILOGUE_ONLY:
             for t0 in range(0, T, BLOCK):
                 slot = lane * NUM_BUF + i % NUM_BUF
@@ -305,7 +268,7 @@ def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.c
             total += gl.sum(gl.sum(acc, axis=1), axis=0)
         else:
             sumsq, ok = epilogue(p, acc, lane, j & 1, off_n, off_k, N, K, c, row0, salt, step,
-                                 (m0_ptr, m1_ptr, m2_ptr), metas, RULE_UPDATE, STOCHASTIC, S0, S1, S2)
+                                 (m0_ptr, m1_ptr, m2_ptr), scales, RULE_UPDATE, STOCHASTIC, S0, S1, S2)
             total += gl.where(ok, sumsq, 0.0)
             bad += gl.where(ok, 0.0, 1.0)
         j += 1

@@ -2,14 +2,11 @@
 
 An 8-bit tile (BLOCK_N, BLOCK_K) is viewed as (BLOCK_N, BLOCK_K // 64, 64), so each codec
 block is one row of the last axis and its statistics are one reduction. The codec
-arithmetic is core/codecs.py's, bound to triton.language here (log2 to the GPU's
-approximate one: codec_ops). Metadata is addressed by block index
-``(column // 64) * out_features + row`` (codecs.meta_strides).
+arithmetic is core/codecs.py's, bound to triton.language here. Metadata is addressed
+by block index ``(column // 64) * out_features + row`` (codecs.meta_strides).
 """
 
-import os
 import struct
-import types
 
 import triton
 import triton.language as tl
@@ -26,39 +23,17 @@ ABSMAX8_FLOORED = tl.constexpr(codecs.ABSMAX8_FLOORED)
 AL8 = tl.constexpr(codecs.AL8)
 QBLOCK = tl.constexpr(codecs.BLOCK)
 
-
-@triton.jit
-def log2_approx(x):
-    """log2 in one MUFU.LG2 (absolute error about 2**-22, far below al8's grid step; input
-    below 2**-126 flushes to zero, where the codec clamps): tl.log2 is libdevice's accurate
-    log2f, ~20 instructions, the largest part of al8's encode."""
-    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def log2_interpreted(x):
-    """The interpreter runs no assembly: tl.log2, 0 -> -inf without numpy's warning."""
-    return tl.where(x > 0.0, tl.log2(tl.where(x > 0.0, x, 1.0)), float("-inf"))
-
-
-# The codecs' ``ops``: triton.language but for log2. A plain module, the only kind of global
-# namespace a jit function may read attributes of; other names are looked up in tl at each
-# use (a module __getattr__), as the interpreter patches tl's own functions.
-codec_ops = types.ModuleType("forge_hf.kernels.state_tiles.codec_ops")
-codec_ops.__getattr__ = lambda name: getattr(tl, name)
-codec_ops.log2 = log2_interpreted if os.environ.get("TRITON_INTERPRET") == "1" else log2_approx
 absmax_encode, floor_positive, absmax_decode, log_encode, log_decode = (
-    triton.jit(bind_ops(f, codec_ops, tl=tl)) for f in
+    triton.jit(bind_ops(f, tl)) for f in
     (codecs.absmax_encode, codecs.floor_positive, codecs.absmax_decode, codecs.log_encode, codecs.log_decode))
 ROUNDER = tl.constexpr(codecs.ROUNDER)
 ROUNDER_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", codecs.ROUNDER))[0])  # 0x4B400000
 
 
 @triton.jit
-def uniform16(bits):
-    """16 random bits as log_encode's ``u``: codecs.uniform in units of 2**-16."""
-    return bits.to(tl.float32)
+def uniform(bits):
+    """Uniform [0, 1) from 16 random bits (codecs.uniform)."""
+    return bits.to(tl.float32) * 1.52587890625e-05  # 2**-16
 
 
 @triton.jit
@@ -153,15 +128,14 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
         valid = tl.reshape(mask, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         if KIND == AL8:
             if STOCHASTIC:
-                u = tl.reshape(uniform16(slot_bits(h, slot)), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
+                u = tl.reshape(uniform(slot_bits(h, slot)),
+                               (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
             else:
-                u = 32768.0  # a half
-            biased, lo, width = log_encode(x, valid, u)
+                u = 0.5
+            codes, lo, width = log_encode(x, valid, u)
             tl.store(meta_ptr + 2 * block, lo, mask=block_keep)
             tl.store(meta_ptr + 2 * block + 1, width, mask=block_keep)
-            # the code's byte as absmax's: no float-to-integer conversion
-            tl.store(ptr + offs, int8_code(tl.reshape(biased, (BLOCK_N, BLOCK_K))).to(tl.uint8, bitcast=True),
-                     mask=keep)
+            tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep)
         else:
             biased, scale = absmax_biased(x, valid, KIND)
             tl.store(meta_ptr + block, scale, mask=block_keep)
