@@ -28,6 +28,12 @@ PRECISIONS = [  # (weight dtype, state precision, rounding), as tests/test_backe
 PRECISION_IDS = [f"{str(w)[6:]}-{s}-{r}" for w, s, r in PRECISIONS]
 
 
+# Tests on CPU tensors through backend="triton": Triton's interpreter, set up only where no
+# GPU is (conftest.py); the *_on_gpu tests below cover the GPU path
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="runs Triton's interpreter on CPU tensors, set up only without a GPU")
+
+
 @pytest.fixture(autouse=True)
 def fresh_choices_and_scratch(monkeypatch):
     """Each test decides its paths and grows its scratch buffers from nothing."""
@@ -94,6 +100,7 @@ def _stored(layer) -> list[torch.Tensor]:
 # ------------------------------------------------------------ exactness
 
 
+@interpreter_only
 @pytest.mark.parametrize("shape", [(70, 45), (130, 200)], ids=["70x45", "130x200"])
 def test_two_pass_matches_torch_optim_and_float64(shape, monkeypatch, gradients_formed):
     """fp32 weights and states, AdamW, a different lr each step, shapes that are not
@@ -125,6 +132,7 @@ def test_two_pass_matches_torch_optim_and_float64(shape, monkeypatch, gradients_
         assert_close_rel(slot, opt32.state[p32][name], what=name)
 
 
+@interpreter_only
 def test_two_pass_bf16_nearest_is_the_fp32_update_rounded_once(monkeypatch, gradients_formed):
     """bf16 weights, round to nearest: each step is torch's fp32 AdamW step from the same
     bf16 weight, rounded once (as tests/test_precision.py asks of the fused path)."""
@@ -149,6 +157,7 @@ def test_two_pass_bf16_nearest_is_the_fp32_update_rounded_once(monkeypatch, grad
     assert identical / total >= 0.999, f"only {identical / total:.5f} bit-identical"
 
 
+@interpreter_only
 @pytest.mark.parametrize("precision", PRECISIONS, ids=PRECISION_IDS)
 def test_two_pass_gives_the_fused_paths_bits(precision, monkeypatch, gradients_formed):
     """Exactly summable inputs: both paths form the same fp32 gradient, and the rule and
@@ -164,6 +173,7 @@ def test_two_pass_gives_the_fused_paths_bits(precision, monkeypatch, gradients_f
     assert not torch.equal(split.weight, _fused_layer((70, 130), wdtype).weight)  # it did step
 
 
+@interpreter_only
 def test_a_conv1d_weight_gets_a_column_major_gradient(monkeypatch, gradients_formed):
     """Conv1D stores its weight (in, out): the kernels read it transposed, and the gradient
     is formed in that layout too."""
@@ -174,6 +184,7 @@ def test_a_conv1d_weight_gets_a_column_major_gradient(monkeypatch, gradients_for
         assert torch.equal(a, b)
 
 
+@interpreter_only
 def test_gaussian_gradients_agree_with_the_fused_path_to_round_off(monkeypatch):
     """Ordinary inputs: the two paths sum the tokens in different orders, so the gradients
     differ by fp32 round-off, which Adam's normalisation can enlarge for an entry whose
@@ -201,6 +212,7 @@ def test_the_scratch_buffer_grows_only_when_a_larger_layer_needs_it():
     assert scratch.view(130, 200).data_ptr() == larger.data_ptr() and scratch.allocations == 2
 
 
+@interpreter_only
 def test_layers_of_different_sizes_share_one_scratch_buffer(monkeypatch, gradients_formed):
     """A two-layer model: backward steps the larger layer first, so one allocation of its
     size serves both layers, step after step; it is the device's only gradient memory."""

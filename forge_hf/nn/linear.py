@@ -254,6 +254,9 @@ class FusedWeightMixin:
             return
         self.forge_enabled = False
         self.forge_fallback_reason = reason
+        # the ordinary path accumulates through this node: autograd then makes it on the
+        # stream of the step that runs it (a captured one's too), not on the one it was looked up on
+        self.__dict__.pop("_forge_accumulator", None)
         warnings.warn(
             f"forge: {self.forge_name} falls back to the ordinary optimizer: {reason}. Its weight "
             "gradient is materialised from now on; an optimizer over all trainable parameters "
