@@ -78,6 +78,7 @@ def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warm
     base, _, state = arm.partition("_int8")
     state = "int8" if _ == "_int8" else "bf16"
     forge = base.startswith("forge")
+    torch.cuda.reset_peak_memory_stats()  # here: an arm that fails reports its own peak, not the last arm's
     model = build_model(model_name)
     clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
@@ -91,7 +92,6 @@ def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warm
         data = RandomTokens(batch * (warmup + steps), length, model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
         trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock])
-        torch.cuda.reset_peak_memory_stats()
         trainer.train()
         peak = torch.cuda.max_memory_allocated() / 2**30
         graphed = bool(getattr(getattr(trainer, "forge_graph", None), "step", None)
