@@ -166,3 +166,20 @@ def test_a_padding_collator_releases_the_graph_with_one_warning(tmp_path):
     assert trainer.forge_graph.off is not None and "vary" in trainer.forge_graph.off
     assert sum("without a CUDA graph" in str(w.message) for w in caught) == 1
     assert len(step_logs(trainer)) == len(lengths)
+
+
+def test_a_compiled_step_is_not_captured_and_the_reason_says_so():
+    """torch_compile=True keeps the step eager (its capture failed on the GPU and broke the
+    process's CUDA random generator); cuda_graph=true then refuses, naming torch_compile."""
+    from types import SimpleNamespace
+
+    from forge_hf.integrations.cuda_graph import TrainerGraph
+
+    trainer = SimpleNamespace(args=SimpleNamespace(torch_compile=True, gradient_checkpointing=False),
+                              forge_optimizer=SimpleNamespace(stop_on_nonfinite=False))
+    reason = TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2))
+    assert reason.startswith("torch_compile=True: capturing the compiled step fails on the GPU")
+    with pytest.raises(RuntimeError, match="cuda_graph=true, but the step cannot be captured: torch_compile=True"):
+        TrainerGraph("true")._disable(reason)
+    trainer.args.torch_compile = False
+    assert TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2)) is None
