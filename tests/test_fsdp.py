@@ -212,10 +212,11 @@ def test_optimizer_refuses_parameters_not_sharded_by_rows(one_process_group):
 
 
 @pytest.mark.parametrize("fsdp,distributed_type", [(["full_shard"], "NO"), ([], "FSDP")],
-                         ids=["training-arguments", "accelerate-fsdp2"])
-def test_trainer_refuses_fsdp_and_points_to_fully_shard_in_a_loop(fsdp, distributed_type):
-    """accelerate 1.15 runs FSDP only on accelerators (on CPU it falls back to DDP), so the
-    Trainer path cannot be tested here and stays refused; the message names the loop that works."""
+                         ids=["training-arguments", "accelerate-fsdp1"])
+def test_trainer_refuses_fsdp1_and_points_to_fsdp2(fsdp, distributed_type):
+    """FSDP other than version 2 (TrainingArguments' fsdp without version 2, an accelerator
+    that is not FSDP2) is refused; the message names FSDP2, DDP and the loop that work
+    (test_fsdp_trainer.py runs FSDP2 through the Trainer)."""
     from accelerate.utils import DistributedType
 
     from forge_hf.integrations.trainer import check_training_arguments

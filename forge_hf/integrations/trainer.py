@@ -9,9 +9,11 @@ would clip and log only the non-fused gradients, which is silent wrong training.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from dataclasses import dataclass, field
 
+import torch
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
 from transformers.utils import logging
@@ -19,6 +21,7 @@ from transformers.utils import logging
 from ..core.rules import RULES, Rule
 from ..nn.swiglu import recompute_swiglu
 from ..optim.distributed import MODES, enable_data_parallel
+from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from ..optim.optimizer import ForgeOptimizer, fused_layers
 from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, PatchReport, patch_model
 from .cuda_graph import TrainerGraph
@@ -172,6 +175,28 @@ _DATA_PARALLEL_TYPES = {"NO", "MULTI_GPU", "MULTI_CPU", "DistributedType.NO", "D
                         "DistributedType.MULTI_CPU"}
 
 
+def is_fsdp2(accelerator) -> bool:
+    """Whether accelerate runs the model under FSDP2 (``fsdp_version: 2``), whose row shards
+    forge steps (optim/fsdp.py)."""
+    return accelerator is not None and getattr(accelerator, "is_fsdp2", False) is True
+
+
+def _offloads_parameters(accelerator) -> bool:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    return isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy)
+
+
+def _asks_fsdp1(args, accelerator) -> bool:
+    """FSDP other than FSDP2: accelerate's FSDP1, or TrainingArguments.fsdp of another (or
+    no stated) version. TrainingArguments.fsdp with version 2 on a run that accelerate does
+    not shard (on CPUs accelerate 1.15 falls back to DDP) is plain data parallelism."""
+    if accelerator is not None and accelerator.distributed_type == "FSDP":
+        return not is_fsdp2(accelerator)
+    return bool(args.fsdp) and (getattr(args, "fsdp_plugin_args", None) or {}).get("fsdp_version") != 2
+
+
 def check_training_arguments(args, accelerator=None) -> None:
     """Refuse, naming the value and the fix, what a fused step cannot do correctly."""
     if args.gradient_accumulation_steps > 1:
@@ -189,17 +214,25 @@ def check_training_arguments(args, accelerator=None) -> None:
             "DeepSpeed is not supported with forge optimizers (it owns the optimizer step): remove the "
             "deepspeed config and train in one process"
         )
-    if args.fsdp or (accelerator is not None and accelerator.distributed_type == "FSDP"):
+    if _asks_fsdp1(args, accelerator):
         raise ValueError(
-            "FSDP is not supported with forge optimizers through the Trainer (it shards and reduces the "
-            "gradients the fused step never forms): launch plain data parallelism (DDP), which forge runs "
-            "exactly, or, to shard weights and states, run forge inside FSDP2 in your own training loop "
+            "FSDP is not supported with forge optimizers through the Trainer in version 1 (FSDP1 shards and "
+            "reduces flattened gradients the fused step never forms): use FSDP2 (fsdp_config={'version': 2}, "
+            "or fsdp_version: 2 in the accelerate config), which ForgeTrainer runs, or launch plain data "
+            "parallelism (DDP), which forge runs exactly, or run forge inside FSDP2 in your own training loop "
             "(patch_model, then torch's fully_shard, then ForgeOptimizer: see forge_hf.optim.fsdp)"
         )
-    if accelerator is not None and str(accelerator.distributed_type) not in _DATA_PARALLEL_TYPES:
+    if is_fsdp2(accelerator) and _offloads_parameters(accelerator):
+        raise ValueError(
+            "FSDP2 with its parameters offloaded to the CPU (fsdp_config cpu_offload, or fsdp_offload_params in "
+            "the accelerate config) is not supported with forge optimizers: the fused step updates each shard "
+            "inside backward on the weight's device: train without the offload"
+        )
+    if accelerator is not None and str(accelerator.distributed_type) not in _DATA_PARALLEL_TYPES \
+            and not is_fsdp2(accelerator):
         raise ValueError(
             f"distributed_type={accelerator.distributed_type} is not supported with forge optimizers: "
-            "launch plain data parallelism (accelerate launch --multi_gpu, or torchrun)"
+            "launch plain data parallelism (accelerate launch --multi_gpu, or torchrun) or FSDP2"
         )
     if args.n_gpu > 1:
         raise ValueError(
@@ -233,7 +266,12 @@ class ForgeTrainerMixin:
     switched to the ordinary optimizer at run time: each is also logged once, with its
     reason, and moved to ``forge_report.fell_back``). Gradients are never clipped: a fused
     weight is stepped before the whole gradient's norm is known. Under TRL's trainers the
-    output head stays on the ordinary path (optim/patch.py's TRL_LM_HEAD)."""
+    output head stays on the ordinary path (optim/patch.py's TRL_LM_HEAD).
+
+    Several processes: forge's data parallelism (optim/distributed.py) under DDP, or, under
+    accelerate's FSDP2, the fused layers step their FSDP2 row shards (optim/fsdp.py) and
+    checkpoints carry forge's optimizer states, whole or sharded by the plugin's state_dict_type.
+    FSDP1 and DeepSpeed are refused."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -247,8 +285,16 @@ class ForgeTrainerMixin:
         if self.optimizer is None or rule_name(self.args.optim) is not None:
             self.forge_options = forge_options(self.args)
         self.forge_report = None
-        self.forge_graph = TrainerGraph(self.forge_options.cuda_graph if self.forge_options else "auto")
         check_training_arguments(self.args, self.accelerator)
+        graph_mode = self.forge_options.cuda_graph if self.forge_options else "auto"
+        if self.forge_fsdp2:
+            # a graphed step broadcasts rank 0's parameters and averages gradients itself: under
+            # FSDP2 those are shards, and FSDP2's hooks and collectives are not captured
+            if graph_mode == "true":
+                raise ValueError("optim_args cuda_graph=true is not supported under FSDP2 (its all-gathers and "
+                                 "reduce-scatters run outside a captured step): use cuda_graph=auto or false")
+            graph_mode = "false"
+        self.forge_graph = TrainerGraph(graph_mode)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             warnings.warn(
                 f"max_grad_norm={self.args.max_grad_norm} is ignored: forge optimizers step each fused "
@@ -262,6 +308,11 @@ class ForgeTrainerMixin:
     @property
     def forge_optimizer(self) -> ForgeOptimizer | None:
         return unwrap_forge_optimizer(self.optimizer)
+
+    @property
+    def forge_fsdp2(self) -> bool:
+        """Whether accelerate shards the model with FSDP2 (fused layers then step their row shards)."""
+        return is_fsdp2(getattr(self, "accelerator", None))
 
     def create_optimizer(self, model=None):
         model = self.model if model is None else model
@@ -277,11 +328,108 @@ class ForgeTrainerMixin:
             decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
             self.optimizer = ForgeOptimizer(model, decay_parameter_names=decay,
                                             stop_on_nonfinite=o.stop_on_nonfinite, **o.hyperparameters)
+        if self.forge_fsdp2:
+            # accelerate's prepare shards the model after this and puts the sharded parameters in
+            # this optimizer: create_scheduler, which the Trainer calls next, builds it again on them
+            return self.optimizer
         fused = fused_layers(model).values()
         if self.args.world_size > 1 and not any(m.forge_dp for m in fused):
             # before accelerate wraps the model in DDP; a ForgeOptimizer the caller made needs it too
             enable_data_parallel(model, mode=self.forge_options.data_parallel if self.forge_options else "sharded")
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if optimizer is None:
+            self.forge_follow_fsdp2_prepare()
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def forge_follow_fsdp2_prepare(self) -> None:
+        """After accelerate's FSDP2 prepare: build the ForgeOptimizer again over the sharded model.
+
+        The Trainer hands accelerate the model with the optimizer create_optimizer made;
+        accelerate calls fully_shard on the model (new, DTensor, Parameter objects) and swaps
+        them into the optimizer's param_groups (fsdp2_switch_optimizer_parameters). A
+        ForgeOptimizer keys its states, fused layers and shard layouts by parameter, so it
+        is built again on the sharded parameters, which also gives every fused layer its
+        FSDP2 context (optim/fsdp.enable_fsdp). Nothing has stepped yet: no state is lost;
+        the fused layers keep their ForgeState objects."""
+        optimizer = self.forge_optimizer
+        if not self.forge_fsdp2 or optimizer is None:
+            return
+        if all(p in optimizer.state for group in optimizer.param_groups for p in group["params"]):
+            return  # built on the model's present parameters already
+        if any(state.allocated for state in optimizer.state.values()):
+            raise RuntimeError("the model was sharded by FSDP2 after the ForgeOptimizer had stepped: prepare "
+                               "the model and optimizer before training")
+        model, o = self.model, self.forge_options
+        rebuilt = ForgeOptimizer(model, decay_parameter_names=self.get_decay_parameter_names(model),
+                                 stop_on_nonfinite=o.stop_on_nonfinite, **o.hyperparameters)
+        if not any(m.forge_dp is not None and m.forge_dp.mode == "fsdp" for m in fused_layers(model).values()):
+            raise RuntimeError(f"accelerate prepared {type(model).__name__} for FSDP2 but its fused weights are "
+                               "not FSDP2 shards")
+        holder = self.optimizer  # accelerate's AcceleratedOptimizer: it keeps wrapping the new one
+        if holder is optimizer:
+            self.optimizer = rebuilt
+            return
+        while holder.optimizer is not optimizer:
+            holder = holder.optimizer
+        holder.optimizer = rebuilt
+
+    # ------------------------------------------------------------- checkpoints under FSDP2
+    # The model's shards go through accelerate (save_fsdp_model / load_fsdp_model), as for any
+    # optimizer. The optimizer's do not: torch's get/set_optimizer_state_dict, which accelerate
+    # uses, keys states by parameter name and reads plain per-parameter dicts, and would drop
+    # forge's states on load. So forge saves them itself, by the plugin's state_dict_type:
+    # FULL_STATE_DICT: ForgeOptimizer.state_dict() (whole states, the one-process format),
+    # written by rank 0 as optimizer.pt; SHARDED_STATE_DICT: each rank's rows through DCP
+    # (optim/fsdp.save_sharded_optimizer), in FORGE_SHARDED_OPTIMIZER/.
+
+    FORGE_SHARDED_OPTIMIZER = "forge_optimizer"
+
+    def _forge_sharded_checkpoint(self) -> bool:
+        return "SHARDED_STATE_DICT" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.forge_fsdp2:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from accelerate.utils import save_fsdp_model
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, get_fsdp_ckpt_kwargs, reissue_pt_warnings
+
+        save_fsdp_model(self.accelerator.state.fsdp_plugin, self.accelerator, self.model, output_dir,
+                        **get_fsdp_ckpt_kwargs())
+        optimizer = self.forge_optimizer
+        if self._forge_sharded_checkpoint():
+            save_sharded_optimizer(optimizer, os.path.join(output_dir, self.FORGE_SHARDED_OPTIMIZER))
+        else:
+            whole = optimizer.state_dict()  # every rank: it gathers the rows
+            if self.args.should_save:
+                torch.save(whole, os.path.join(output_dir, OPTIMIZER_NAME))
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self.forge_fsdp2:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        sharded = os.path.join(checkpoint, self.FORGE_SHARDED_OPTIMIZER)
+        whole = os.path.join(checkpoint, OPTIMIZER_NAME)
+        if os.path.isdir(sharded):
+            load_sharded_optimizer(self.forge_optimizer, sharded)
+        elif os.path.isfile(whole):
+            self.forge_optimizer.load_state_dict(torch.load(whole, map_location="cpu", weights_only=True))
+        elif os.path.isfile(scheduler):
+            raise FileNotFoundError(
+                f"{checkpoint} has a scheduler but no forge optimizer state ({self.FORGE_SHARDED_OPTIMIZER}/ or "
+                f"{OPTIMIZER_NAME}): it was not written by ForgeTrainer under FSDP2, and resuming would restart "
+                "every optimizer state")
+        else:
+            return  # like the Trainer: a checkpoint without optimizer (save_only_model) resumes the weights only
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         # The fused layers read the lr when their backward runs: make sure they read the

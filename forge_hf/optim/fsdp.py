@@ -16,6 +16,9 @@ sharded data-parallel layer does, with FSDP2's shard in place of the band:
   ForgeOptimizer steps their local shards.
 
 FSDP2's per-parameter records (its ``FSDPParam``) are private: they are read here only.
+
+ForgeTrainer runs this under accelerate's FSDP2 (integrations/trainer.py); its sharded
+checkpoints of the optimizer go through save_sharded_optimizer / load_sharded_optimizer below.
 """
 
 from __future__ import annotations
@@ -172,3 +175,83 @@ def fsdp_needed(model: torch.nn.Module) -> bool:
     """Whether ``model`` has fused layers whose weights FSDP2 shards and no FSDP2 context yet."""
     return any(isinstance(m.weight, DTensor) and not isinstance(m.forge_dp, FsdpFusion)
                for m in model.modules() if isinstance(m, FusedWeightMixin))
+
+
+# ------------------------------------------------------------ sharded checkpoints
+# ForgeOptimizer.state_dict() gathers every rank's rows into whole tensors on every rank: one
+# format for any world size, but the whole state in each rank's memory, which FSDP2 exists to
+# avoid. These two save and load each rank's own rows through torch.distributed.checkpoint
+# (DCP) instead: every state tensor is put in a DTensor placed as its parameter is (Shard(0)
+# on the parameter's mesh), so each rank writes and reads its rows only, and DCP reshards a
+# checkpoint into another world size. Keys: "state.<i>.<name>" for parameter i of the
+# optimizer's param_groups (ForgeOptimizer's own numbering), and "param_groups".
+
+_GROUPS = "param_groups"
+
+
+def _optimizer_params(optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _row_dtensor(local: torch.Tensor, p: DTensor, n_rows: int) -> DTensor:
+    """``local``, this rank's rows of an (n_rows, ...) state of the FSDP2 parameter ``p``,
+    as the whole tensor's DTensor (torch.chunk's uneven layout, as FSDP2 places ``p``)."""
+    shape = torch.Size((n_rows, *local.shape[1:]))
+    return DTensor.from_local(local, p.device_mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def save_sharded_optimizer(optimizer, checkpoint_dir) -> None:
+    """Save a ForgeOptimizer over an FSDP2 model into ``checkpoint_dir`` with DCP (every rank
+    calls): each rank writes its rows of each state; whole states (a parameter FSDP2 does not
+    shard: every rank holds the same) once."""
+    import torch.distributed.checkpoint as dcp
+
+    groups = torch.optim.Optimizer.state_dict(optimizer)[_GROUPS]  # hyperparameters and parameter indices
+    sd = {_GROUPS: tuple(groups)}  # a tuple of dicts is one entry for DCP, not one per value
+    for i, p in enumerate(_optimizer_params(optimizer)):
+        state = optimizer.state[p]
+        if not state.allocated:
+            continue
+        for name, value in state.state_dict().items():
+            if torch.is_tensor(value) and isinstance(p, DTensor):
+                value = _row_dtensor(value, p, p.shape[0])
+            sd[f"state.{i}.{name}"] = value
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir)))
+
+
+def load_sharded_optimizer(optimizer, checkpoint_dir) -> None:
+    """Load what ``save_sharded_optimizer`` saved into ``optimizer``, a ForgeOptimizer over the
+    same model under FSDP2 in any world size (every rank calls): each rank reads its own rows
+    of each state; a parameter without a saved state starts fresh, as in ForgeOptimizer.load_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    params = _optimizer_params(optimizer)
+    reader = dcp.FileSystemReader(str(checkpoint_dir))
+    # DCP fills a state dict of the right shapes in place: built from what the checkpoint holds
+    template = {}
+    for key, meta in reader.read_metadata().state_dict_metadata.items():
+        index = int(key.split(".")[1]) if key != _GROUPS else -1
+        if index >= len(params):
+            raise ValueError(f"{checkpoint_dir} holds a state of parameter {index}, but the optimizer has "
+                             f"{len(params)} parameters: it was saved for another model")
+        if not isinstance(meta, TensorStorageMetadata):
+            template[key] = None  # a Python value (step, precision, the param_groups): DCP puts it in
+            continue
+        p = params[index]
+        size, dtype = tuple(meta.size), meta.properties.dtype
+        if isinstance(p, DTensor):
+            start, stop = RowShards(p.device_mesh.get_group()).rows(size[0])
+            template[key] = _row_dtensor(torch.empty((stop - start, *size[1:]), dtype=dtype, device=p.device),
+                                         p, size[0])
+        else:
+            template[key] = torch.empty(size, dtype=dtype, device=p.device)
+    dcp.load(template, storage_reader=reader)
+
+    saved: dict[int, dict] = {}
+    for key, value in template.items():
+        if key != _GROUPS:
+            _, i, name = key.split(".", 2)
+            saved.setdefault(int(i), {})[name] = value.to_local() if isinstance(value, DTensor) else value
+    optimizer.load_local_state_dict({"state": saved, _GROUPS: list(template[_GROUPS])})

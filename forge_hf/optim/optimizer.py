@@ -311,6 +311,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return {k: dp.shard_rows(v, n_rows) if torch.is_tensor(v) else v for k, v in sd.items()}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._load(state_dict, self._own_state)
+
+    def load_local_state_dict(self, state_dict: dict) -> None:
+        """As load_state_dict, with every state already this rank's rows (optim/fsdp.py's
+        sharded checkpoints)."""
+        self._load(state_dict, lambda p, sd: sd)
+
+    def _load(self, state_dict: dict, own_rows) -> None:
         saved = state_dict.get("state", {})
         states = self.state  # ForgeState objects, shared with the fused layers: keep them
         super().load_state_dict({**state_dict, "state": {}})  # checks and restores param_groups
@@ -318,7 +326,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(self._params()):
             state = self.state[p]
             if i in saved:
-                state.load_state_dict(self._own_state(p, saved[i]), self._local(p))
+                state.load_state_dict(own_rows(p, saved[i]), self._local(p))
             else:
                 state.reset()  # nothing saved: start fresh
         self.link_layers()  # torch built new group dicts
