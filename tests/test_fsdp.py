@@ -40,24 +40,27 @@ def _single_process(kind, dtype, precision, world, steps):
     return model, opt
 
 
-def _assert_close(got, ref, what):
+def assert_close(got, ref, what):
     """The data-parallel tests' criterion: fused weights see the gathered tokens, biases
     FSDP2's averaged gradient (other summation orders than one process's)."""
-    diff = (got.float() - ref.float()).abs() / ref.float().abs().max().clamp_min(1e-30)
+    diff = (got.float().cpu() - ref.float().cpu()).abs() / ref.float().cpu().abs().max().clamp_min(1e-30)
     assert (diff <= RTOL_FP32).float().mean() >= 0.999, what
     assert diff.max() <= 1e-3, what
 
 
-def _assert_states(got: dict, ref: dict, exact: bool, what: str):
+def assert_states(got: dict, ref: dict, exact: bool, what: str):
+    """Two optimizers' state dicts: the same parameters and state names, equal values
+    (``exact``: bit for bit; else assert_close)."""
     assert got.keys() == ref.keys(), what
     for i, ref_state in ref.items():
+        assert got[i].keys() == ref_state.keys(), (what, i)
         for key, value in ref_state.items():
             if not torch.is_tensor(value):
                 assert got[i][key] == value, (what, i, key)
             elif exact:
                 assert torch.equal(got[i][key], value), (what, i, key)
             else:
-                _assert_close(got[i][key], value, (what, i, key))
+                assert_close(got[i][key], value, (what, i, key))
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3-rows-not-divisible"])
@@ -89,8 +92,8 @@ def test_sharded_training_follows_one_process(case, launched):
         if exact:
             assert torch.equal(got[0]["weights"][name], ref), name
         else:
-            _assert_close(got[0]["weights"][name], ref, name)
-    _assert_states(got[0]["optimizer"]["state"], opt.state_dict()["state"], exact, case)
+            assert_close(got[0]["weights"][name], ref, name)
+    assert_states(got[0]["optimizer"]["state"], opt.state_dict()["state"], exact, case)
 
     single_state = sum(m.forge_state.nbytes() for m in fused_layers(model).values())
     assert sum(r["state_bytes"] for r in got) == single_state
@@ -195,7 +198,7 @@ def test_world_of_one_steps_like_no_sharding(kind, dtype, precision, one_process
     got = fsdp_worker.whole(model)
     for name, ref in plain.state_dict().items():
         assert torch.equal(got[name], ref), name
-    _assert_states(opt.state_dict()["state"], plain_opt.state_dict()["state"], True, kind)
+    assert_states(opt.state_dict()["state"], plain_opt.state_dict()["state"], True, kind)
 
 
 def test_optimizer_refuses_parameters_not_sharded_by_rows(one_process_group):

@@ -16,7 +16,7 @@ from pathlib import Path
 import fsdp_trainer_worker as worker
 import pytest
 import torch
-from helpers import RTOL_FP32
+from test_fsdp import assert_close, assert_states
 
 from forge_hf import ForgeTrainer
 from forge_hf.integrations.trainer import check_training_arguments
@@ -104,25 +104,6 @@ def one_process(tmp_path_factory, single_thread):
     return run
 
 
-def _assert_close(got, ref, what):
-    """tests/test_fsdp.py's criterion: fused weights see the gathered tokens, the others
-    FSDP2's averaged gradient (other summation orders than one process's)."""
-    diff = (got.float() - ref.float()).abs() / ref.float().abs().max().clamp_min(1e-30)
-    assert (diff <= RTOL_FP32).float().mean() >= 0.999, what
-    assert diff.max() <= 1e-3, what
-
-
-def _assert_same_states(got: dict, ref: dict, exact: bool, what: str):
-    assert got.keys() == ref.keys(), what
-    for i, ref_state in ref.items():
-        assert got[i].keys() == ref_state.keys(), (what, i)
-        for key, value in ref_state.items():
-            if not torch.is_tensor(value):
-                assert got[i][key] == value, (what, i, key)
-            elif exact:
-                assert torch.equal(got[i][key], value), (what, i, key)
-            else:
-                _assert_close(got[i][key].cpu(), value.cpu(), (what, i, key))
 
 
 @pytest.mark.parametrize("world,name", _per_launch())
@@ -157,9 +138,9 @@ def test_fsdp2_trainer_follows_one_process(world, name, launched, one_process):
             assert (got_update - ref_update).norm() <= bound * ref_update.norm(), key
         return
     for key, ref in weights.items():
-        _assert_close(r["weights"][key], ref, key)
+        assert_close(r["weights"][key], ref, key)
     if "int8" not in optim_extra:
-        _assert_same_states(r["optimizer"]["state"], states["state"], exact=False, what=name)
+        assert_states(r["optimizer"]["state"], states["state"], exact=False, what=name)
 
 
 @pytest.mark.parametrize("world,name", _per_launch(resuming=True))
@@ -172,7 +153,7 @@ def test_resume_from_an_fsdp2_checkpoint_is_bit_identical(world, name, launched)
     assert resumed["global_step"] == worker.STEPS
     for key, w in r["weights"].items():
         assert torch.equal(resumed["weights"][key], w), key
-    _assert_same_states(resumed["optimizer"]["state"], r["optimizer"]["state"], exact=True, what=name)
+    assert_states(resumed["optimizer"]["state"], r["optimizer"]["state"], exact=True, what=name)
     sharded = worker.CASES[name][0]["state_dict_type"] == "SHARDED_STATE_DICT"
     expected = {"forge_optimizer", "pytorch_model_fsdp_0"} if sharded else {"optimizer.pt", "pytorch_model_fsdp.bin"}
     assert expected <= set(r["files"]) and "optimizer_0" not in r["files"], r["files"]
@@ -181,7 +162,7 @@ def test_resume_from_an_fsdp2_checkpoint_is_bit_identical(world, name, launched)
 def test_a_sharded_optimizer_checkpoint_loads_into_another_world_size(launched):
     """World 2's DCP optimizer checkpoint loaded by 3 ranks (rows split 11/11/10 where 2 ranks
     split 16/16) gathers to what 2 ranks load from it, bit for bit, 8-bit codes included."""
-    _assert_same_states(launched(3)[worker.RESHARD]["reloaded"], launched(2)[worker.RESHARD]["reloaded"],
+    assert_states(launched(3)[worker.RESHARD]["reloaded"], launched(2)[worker.RESHARD]["reloaded"],
                         exact=True, what="resharded")
 
 
@@ -256,9 +237,9 @@ def test_world_of_one_on_a_gpu(accelerate_launch, tmp_path, one_process):
         assert r["fsdp_from"] == ("accelerate" if accelerate_launch else "TrainingArguments")
         weights, _, _ = one_process(1, worker.CASES[name][2], device="cuda")
         for key, ref in weights.items():
-            _assert_close(r["weights"][key].cpu(), ref, (name, key))
+            assert_close(r["weights"][key].cpu(), ref, (name, key))
         if "resumed" in r:
             for key, w in r["weights"].items():
                 assert torch.equal(r["resumed"]["weights"][key], w), (name, key)
-            _assert_same_states(r["resumed"]["optimizer"]["state"], r["optimizer"]["state"], exact=True, what=name)
+            assert_states(r["resumed"]["optimizer"]["state"], r["optimizer"]["state"], exact=True, what=name)
     assert "cuda_graph=true is not supported under FSDP2" in results["graph_refused"]
