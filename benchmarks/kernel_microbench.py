@@ -1,7 +1,7 @@
 """GPU time of the fused kernel over a model's linear shapes, summed as the model runs them,
 against its memory floor; and cuBLAS forming the same weight gradients (dY^T X), for reference;
 and the two-pass path (kernels/two_pass.py: cuBLAS's fp32 gradient into a scratch buffer, then
-the rule's kernel over it), which dispatch's auto mode takes where it is faster (issue #23).
+the rule's kernel over it), which dispatch's auto mode takes where it is faster.
 
 Floor of a shape = max(bytes the kernel must move / measured copy bandwidth, its FLOPs /
 measured bf16 matmul rate); the bytes: x and dy read once, the weight and each state read
@@ -29,7 +29,13 @@ import triton
 from forge_hf.core.launch_args import next_launch_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import STATE_PRECISIONS, ForgeState
-from forge_hf.kernels.dispatch import TWO_PASS_MARGIN, launch_fused_update, two_pass_step
+from forge_hf.kernels.dispatch import (
+    AUTO_MIN_TOKENS,
+    TWO_PASS_MARGIN,
+    faster_path,
+    launch_fused_update,
+    two_pass_step,
+)
 from forge_hf.kernels.fused_update import RULE_UPDATES, default_config
 from forge_hf.kernels.persistent_launch import launch_persistent, persistent_unsupported
 from forge_hf.kernels.two_pass import GradientScratch, matmul_fp32
@@ -204,7 +210,8 @@ def main():
             totals["two_pass_gemm"] += row["two_pass_gemm_ms"] * count
             parts.append(f"two-pass {row['two_pass_ms']:.3f} (GEMM fp32 out {row['two_pass_gemm_ms']:.3f})")
         if "fused" in paths and "two_pass" in paths:  # dispatch's auto rule on these times
-            row["auto_path"] = "two_pass" if row["two_pass_ms"] < TWO_PASS_MARGIN * row["best_ms"] else "fused"
+            row["auto_path"] = "fused" if x.shape[0] < AUTO_MIN_TOKENS else \
+                faster_path(row["best_ms"], row["two_pass_ms"])
             totals["auto"] += row[{"two_pass": "two_pass_ms", "fused": "best_ms"}[row["auto_path"]]] * count
             parts[-1] += f" -> {row['auto_path']}"
         if "cublas" in paths:
@@ -248,7 +255,7 @@ def main():
         picks = ", ".join(f"{r['shape']} {r['auto_path']}" for r in rows)
         table.append(dict(arm=f"auto_{opts.kernel}_{opts.state}", step_ms=totals["auto"],
                           note=f"{setup}; per shape the faster path by dispatch's rule "
-                               f"(two-pass under {TWO_PASS_MARGIN} of fused): {picks}"))
+                               f"(from {AUTO_MIN_TOKENS} tokens, two-pass under {TWO_PASS_MARGIN} of fused): {picks}"))
     if "cublas" in paths:
         table.append(dict(arm="cublas_wgrad", step_ms=totals["cublas"],
                           note="torch.mm(dy.t(), x) per shape, bf16, CUDA-graph replays"))

@@ -1,4 +1,4 @@
-"""The two-pass step (kernels/two_pass.py, issue #23): the whole fp32 weight gradient by a
+"""The two-pass step (kernels/two_pass.py): the whole fp32 weight gradient by a
 GEMM into a scratch buffer shared by every layer, then the fused kernel's rule over it.
 Against torch.optim and float64 on shapes that are not multiples of the tile, bit for bit
 against the fused path where the gradient does not depend on summation order and close to

@@ -70,8 +70,8 @@ class TrainerGraph:
     def _static_reason(self, trainer, model: nn.Module) -> str | None:
         """Why no step of this run can be captured (checked until the first capture)."""
         if getattr(trainer.args, "torch_compile", False):
-            # On an H200 the capture of the compiled step failed, and the failed capture left
-            # CUDA's random generator unusable for the rest of the process (dropout, inits)
+            # Capturing a compiled step fails on the GPU, and a failed capture leaves CUDA's
+            # random generator unusable for the rest of the process (dropout, inits)
             return ("torch_compile=True: capturing the compiled step fails on the GPU; the compiled step "
                     "runs eagerly (or use cuda_graph without torch_compile, the faster of the two)")
         if trainer.args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False):

@@ -325,9 +325,7 @@ class ForgeTrainerMixin:
                     raise ValueError(nothing_fused_message(f"{PREFIX}{o.rule}", model, self.forge_report))
                 if o.recompute_swiglu:
                     recompute_swiglu(model)
-            decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
-            self.optimizer = ForgeOptimizer(model, decay_parameter_names=decay,
-                                            stop_on_nonfinite=o.stop_on_nonfinite, **o.hyperparameters)
+            self.optimizer = self._new_forge_optimizer(model)
         if self.forge_fsdp2:
             # accelerate's prepare shards the model after this and puts the sharded parameters in
             # this optimizer: create_scheduler, which the Trainer calls next, builds it again on them
@@ -342,6 +340,12 @@ class ForgeTrainerMixin:
         if optimizer is None:
             self.forge_follow_fsdp2_prepare()
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def _new_forge_optimizer(self, model) -> ForgeOptimizer:
+        o = self.forge_options
+        decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
+        return ForgeOptimizer(model, decay_parameter_names=decay, stop_on_nonfinite=o.stop_on_nonfinite,
+                              **o.hyperparameters)
 
     def forge_follow_fsdp2_prepare(self) -> None:
         """After accelerate's FSDP2 prepare: build the ForgeOptimizer again over the sharded model.
@@ -361,9 +365,8 @@ class ForgeTrainerMixin:
         if any(state.allocated for state in optimizer.state.values()):
             raise RuntimeError("the model was sharded by FSDP2 after the ForgeOptimizer had stepped: prepare "
                                "the model and optimizer before training")
-        model, o = self.model, self.forge_options
-        rebuilt = ForgeOptimizer(model, decay_parameter_names=self.get_decay_parameter_names(model),
-                                 stop_on_nonfinite=o.stop_on_nonfinite, **o.hyperparameters)
+        model = self.model
+        rebuilt = self._new_forge_optimizer(model)
         if not any(m.forge_dp is not None and m.forge_dp.mode == "fsdp" for m in fused_layers(model).values()):
             raise RuntimeError(f"accelerate prepared {type(model).__name__} for FSDP2 but its fused weights are "
                                "not FSDP2 shards")

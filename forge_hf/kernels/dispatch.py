@@ -13,7 +13,7 @@ state slots, the launch's argument tensor, stats, rule name, stochastic).
   ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on the latter;
 * ``auto``: ``triton`` where it can run, else ``reference``.
 
-On ``triton`` a layer's step takes one of two paths (issue #23), per layer shape:
+On ``triton`` a layer's step takes one of two paths, per layer shape:
 
 * ``fused``: the kernels above, the weight gradient formed tile by tile and never stored;
 * ``two_pass``: cuBLAS forms the whole fp32 weight gradient into a scratch buffer shared by
@@ -241,8 +241,13 @@ def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | Non
         times = measure(x, dy, args)
     except torch.OutOfMemoryError:
         return _record(key, WgradChoice("fused", "auto: out of memory while timing the paths", tokens))
-    path = "two_pass" if times["two_pass"] < TWO_PASS_MARGIN * times["fused"] else "fused"
+    path = faster_path(times["fused"], times["two_pass"])
     return _record(key, WgradChoice(path, MEASURED, tokens, times["fused"], times["two_pass"]))
+
+
+def faster_path(fused_ms: float, two_pass_ms: float) -> str:
+    """auto's choice between measured paths (from AUTO_MIN_TOKENS tokens; below, fused)."""
+    return "two_pass" if two_pass_ms < TWO_PASS_MARGIN * fused_ms else "fused"
 
 
 def _record(key: WgradKey, choice: WgradChoice) -> WgradChoice:

@@ -1,4 +1,4 @@
-"""The two-pass step of one layer (issue #23): cuBLAS forms the layer's whole fp32 weight
+"""The two-pass step of one layer: cuBLAS forms the layer's whole fp32 weight
 gradient G = dY^T X into a scratch buffer, then the fused kernel's rule runs over it in one
 launch (dispatch.two_pass_step: launch_rule_step, the kernel's GRAD_GIVEN mode): the same rule arithmetic,
 rounding, statistics and non-finite tile skipping as the fused step, on a gradient summed in

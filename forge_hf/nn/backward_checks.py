@@ -16,7 +16,10 @@ def refuse_second_backward(layer, stepped: bool) -> None:
         )
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # .to() costs host time even when it returns t
+
+
 def input_gradient(layer, dy: torch.Tensor) -> torch.Tensor:
     """dY @ W, with W as it is before this step's fused update."""
-    weight = layer.forge_weight_view()
-    return dy @ (weight if weight.dtype == dy.dtype else weight.to(dy.dtype))
+    return dy @ as_dtype(layer.forge_weight_view(), dy.dtype)

@@ -22,7 +22,7 @@ from ..core.rounding import layer_salt
 from ..core.rules import get_rule, make_group
 from ..core.state import ForgeState, check_rounding
 from ..kernels.dispatch import bind_fused_update, check_backend
-from .backward_checks import input_gradient, refuse_second_backward
+from .backward_checks import as_dtype, input_gradient, refuse_second_backward
 from .compiled_linear import compiled_forward, new_anchor
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -76,10 +76,6 @@ class ForgeFallbackWarning(UserWarning):
     """A fused layer switched to the ordinary optimizer path (the message names it)."""
 
 
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)  # .to() costs host time even when it returns t
-
-
 class FusedWeightFunction(torch.autograd.Function):
     """y = x W^T + b; backward returns dX and db and steps W in place (no W.grad).
 
@@ -94,8 +90,8 @@ class FusedWeightFunction(torch.autograd.Function):
         ctx.layer = layer
         ctx.save_for_backward(x)  # not the weight: it is overwritten during backward
         layer.forge_track(ctx)
-        bias = None if bias is None else _as_dtype(bias, x.dtype)
-        return F.linear(x, _as_dtype(layer.forge_weight_view(), x.dtype), bias)
+        bias = None if bias is None else as_dtype(bias, x.dtype)
+        return F.linear(x, as_dtype(layer.forge_weight_view(), x.dtype), bias)
 
     @staticmethod
     def backward(ctx, dy):
