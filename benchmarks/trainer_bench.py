@@ -8,6 +8,10 @@ Arms (any subset, in the order given):
   forge                ForgeTrainer, default options (cuda_graph=auto)
   forge_compile        ForgeTrainer with torch_compile=True (cuda_graph=auto)
   ..._int8             suffix: forge arms with int8 state (bf16 otherwise)
+  ..._fsdp2            suffix: the model under accelerate's FSDP2 (fully_shard of each decoder
+                       layer) in a world of one process: what the wrapping costs where there
+                       is nothing to shard. Trainer's bf16 flag off (accelerate would upcast
+                       bf16 weights to fp32 under mixed precision): compare with --bf16 off
 
 Every arm: bf16 weights, SDPA attention, packed batches of random tokens, max_grad_norm=0
 (forge cannot clip; the fused-AdamW arms do not clip either, their fastest setting), a
@@ -22,8 +26,11 @@ arm ends.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
+import socket
 import statistics
 import tempfile
 import time
@@ -34,6 +41,7 @@ import torch
 from models import build_model
 from results_table import add_table_option, append_rows
 
+EXTRA_OPTIM = ""  # checks on tiny models add ",min_params=0"
 ARMS = ("adamw_fused", "adamw_fused_compile", "forge_eager", "forge", "forge_compile")
 
 
@@ -70,7 +78,38 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int) -> dict:
+@contextlib.contextmanager
+def world_of_one():
+    """A torch.distributed world of this process alone (as torch.distributed.run would set it,
+    unless a launcher did), for accelerate's FSDP2; afterwards no process group and accelerate's
+    state reset, so a later arm runs without FSDP."""
+    from accelerate.state import AcceleratorState
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool) -> dict:
+    base, fsdp2 = arm.removesuffix("_fsdp2"), arm.endswith("_fsdp2")
+    with world_of_one() if fsdp2 else contextlib.nullcontext():
+        return _run_arm(base, model_name, batch, length, steps, warmup, bf16 and not fsdp2, fsdp2)
+
+
+def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
+             fsdp2: bool) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import forge_hf
@@ -81,14 +120,16 @@ def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warm
     torch.cuda.reset_peak_memory_stats()  # here: an arm that fails reports its own peak, not the last arm's
     model = build_model(model_name)
     clock = StepClock()
+    fsdp = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": model._no_split_modules}
+                ) if fsdp2 else {}
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=2e-5,
-            lr_scheduler_type="constant", max_grad_norm=0.0, bf16=True, logging_steps=10_000, save_strategy="no",
+            lr_scheduler_type="constant", max_grad_norm=0.0, bf16=bf16, logging_steps=10_000, save_strategy="no",
             report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"), seed=0,
             optim="forge_adamw" if forge else "adamw_torch_fused",
-            optim_args=(f"state_precision={state}" + (",cuda_graph=false" if base == "forge_eager" else ""))
-            if forge else None)
+            optim_args=(f"state_precision={state}{EXTRA_OPTIM}" + (",cuda_graph=false" if base == "forge_eager" else ""))
+            if forge else None, **fsdp)
         data = RandomTokens(batch * (warmup + steps), length, model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
         trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock])
@@ -99,9 +140,9 @@ def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warm
     timed = clock.times[warmup:]
     q = statistics.quantiles(timed, n=4) if len(timed) >= 4 else [min(timed), 0, max(timed)]
     del trainer, model
-    return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak,
-                note=f"{len(timed)} steps after {warmup}; IQR; graphed={graphed}" if forge else
-                f"{len(timed)} steps after {warmup}; IQR")
+    note = f"{len(timed)} steps after {warmup}; IQR" + (f"; graphed={graphed}" if forge else "") + \
+        ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "")
+    return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
 
 
 def main() -> None:
@@ -111,6 +152,8 @@ def main() -> None:
     p.add_argument("--arms", default="adamw_fused,adamw_fused_compile,forge_eager,forge")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=6, help="untimed steps (compile, capture)")
+    p.add_argument("--bf16", choices=("on", "off"), default="on",
+                   help="TrainingArguments.bf16 (autocast) for the arms without FSDP2")
     p.add_argument("--out", help="also write the rows as JSON here")
     add_table_option(p)
     opts = p.parse_args()
@@ -121,7 +164,7 @@ def main() -> None:
             for arm in opts.arms.split(","):
                 row = dict(model=model_name, batch=cell, arm=f"trainer_{arm}", tool="trainer_bench")
                 try:
-                    row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup))
+                    row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup, opts.bf16 == "on"))
                 except Exception as e:  # an arm that fails (out of memory, a compile error) is a row too
                     traceback.print_exc()
                     row.update(step_ms="", spread_ms="", peak_gib=torch.cuda.max_memory_allocated() / 2**30,
