@@ -219,6 +219,24 @@ def test_fsdp2_parameter_offload_is_refused():
     check_training_arguments(_args(), accelerator)
 
 
+def test_a_callers_forge_optimizer_is_refused_under_fsdp2(tmp_path, monkeypatch):
+    """A ForgeOptimizer built before FSDP2 shards the model holds the parameters fully_shard
+    replaces: refused when the Trainer is made, whatever optim says, before any step."""
+    import forge_hf.integrations.trainer as trainer_module
+    from forge_hf import ForgeOptimizer, patch_model
+
+    monkeypatch.setattr(trainer_module, "is_fsdp2", lambda accelerator: accelerator is not None)
+    model = worker.tiny_llama()
+    patch_model(model, min_params=0, backend="reference")
+    for optim in ("forge_adamw", "adamw_torch"):
+        args = worker.training_args(tmp_path, 1)
+        args.optim = optim
+        with pytest.raises(ValueError, match=r"under FSDP2 builds its ForgeOptimizer itself.*pass no optimizer, "
+                                             r"with optim='forge_<rule>'"):
+            ForgeTrainer(model=model, args=args, train_dataset=worker.dataset(1),
+                         optimizers=(ForgeOptimizer(model), None))
+
+
 # ------------------------------------------------------------------- GPU
 
 

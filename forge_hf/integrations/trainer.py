@@ -287,6 +287,14 @@ class ForgeTrainerMixin:
         self.forge_report = None
         check_training_arguments(self.args, self.accelerator)
         graph_mode = self.forge_options.cuda_graph if self.forge_options else "auto"
+        if self.forge_fsdp2 and self.optimizer is not None:
+            # its states and shard layouts are keyed by the unsharded parameters, which FSDP2 replaces
+            raise ValueError(
+                f"{type(self).__name__} under FSDP2 builds its ForgeOptimizer itself, on the parameters FSDP2 "
+                "shards: pass no optimizer, with optim='forge_<rule>' and its settings in optim_args (or "
+                "shard the model with fully_shard first and build the ForgeOptimizer on it in your own loop: "
+                "see forge_hf.optim.fsdp)"
+            )
         if self.forge_fsdp2:
             # a graphed step broadcasts rank 0's parameters and averages gradients itself: under
             # FSDP2 those are shards, and FSDP2's hooks and collectives are not captured
