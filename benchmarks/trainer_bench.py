@@ -41,7 +41,6 @@ import torch
 from models import build_model
 from results_table import add_table_option, append_rows
 
-EXTRA_OPTIM = ""  # checks on tiny models add ",min_params=0"
 ARMS = ("adamw_fused", "adamw_fused_compile", "forge_eager", "forge", "forge_compile")
 
 
@@ -128,7 +127,7 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
             lr_scheduler_type="constant", max_grad_norm=0.0, bf16=bf16, logging_steps=10_000, save_strategy="no",
             report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"), seed=0,
             optim="forge_adamw" if forge else "adamw_torch_fused",
-            optim_args=(f"state_precision={state}{EXTRA_OPTIM}" + (",cuda_graph=false" if base == "forge_eager" else ""))
+            optim_args=(f"state_precision={state}" + (",cuda_graph=false" if base == "forge_eager" else ""))
             if forge else None, **fsdp)
         data = RandomTokens(batch * (warmup + steps), length, model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
