@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from helpers import exact_inputs
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import forge_hf
@@ -68,10 +69,12 @@ def train_step(model, opt, kind, step, dtype, world, rank):
 
 
 def shard(model, kind):
+    # a CPU mesh: fully_shard's default mesh is on the GPU where one is present
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for module in model:
         if isinstance(module, nn.Linear):
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -44,6 +44,8 @@ def _free_port() -> int:
 def _launch(world, names, out_dir, device="cpu", reshard_from=None, accelerate_launch=False):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    if device == "cpu":  # gloo ranks on CPUs as in CI, also where a GPU is (FSDP2's default mesh would take it)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if accelerate_launch:
         launcher = ["accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIG),
                     f"--num_processes={world}", f"--main_process_port={_free_port()}"]
