@@ -3,6 +3,7 @@ CPU, and on a GPU the graphed Trainer against the eager one with everything a Tr
 relies on between steps (logging, the LR schedule, evaluation, checkpoints and resume, a
 short last batch, a padding collator)."""
 
+import types
 import warnings
 
 import pytest
@@ -41,6 +42,55 @@ def test_auto_on_a_cpu_trains_eagerly_without_a_warning(tmp_path):
         warnings.filterwarnings("error", message="forge:")
         trainer.train()
     assert trainer.forge_graph.step is None and "cpu" in trainer.forge_graph.off
+
+
+class _StandInStep:
+    """GraphedStep's counting without a GPU: warm-up calls, then the call that captures."""
+
+    def __init__(self, model, optimizer, loss_fn, warmup_steps):
+        self.model, self.optimizer, self.warmup_steps = model, optimizer, warmup_steps
+        self.graph, self.calls, self.addresses = None, 0, ()
+
+    def __call__(self, inputs):
+        if self.calls >= self.warmup_steps:
+            self.graph = "captured"
+        self.calls += 1
+        return torch.zeros(())
+
+
+def _drive_graph(lengths, monkeypatch):
+    """TrainerGraph('auto') over batches of these lengths, GraphedStep stood in for and the
+    model taken to be on a GPU: the graph state and the warnings."""
+    from forge_hf.integrations import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "GraphedStep", _StandInStep)
+    monkeypatch.setattr(cuda_graph, "captured_addresses", lambda model, optimizer: ())
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
+    model = types.SimpleNamespace(parameters=lambda: iter([on_gpu]), train=lambda: None)
+    optimizer = types.SimpleNamespace(last_grad_norm=None, skip_next_step=lambda: None)
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(torch_compile=False), forge_optimizer=optimizer,
+                                    _prepare_inputs=lambda inputs: inputs)
+    graph = cuda_graph.TrainerGraph("auto")
+    monkeypatch.setattr(graph, "_static_reason", lambda trainer, model: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in lengths:
+            graph.run(trainer, model, {"input_ids": torch.zeros(1, n, dtype=torch.long)}, None)
+    return graph, [str(w.message) for w in caught]
+
+
+def test_batches_of_one_shape_three_in_a_row_are_captured(monkeypatch):
+    graph, messages = _drive_graph([5, 6, 7, 7, 7, 7], monkeypatch)
+    assert graph.off is None and graph.step.graph == "captured" and graph.waiting == 0
+    assert messages == []
+
+
+def test_shapes_that_pair_up_but_never_settle_release_the_graph(monkeypatch):
+    """Two batches of one shape warm a step up, the third would capture it: shapes that come
+    in pairs never settle, and after UNSETTLED_STEPS eager steps the run goes on without a graph."""
+    graph, messages = _drive_graph([5, 5, 6, 6, 7, 7, 8, 8] * 2, monkeypatch)
+    assert graph.off is not None and "vary" in graph.off and graph.step is None
+    assert sum("without a CUDA graph" in m for m in messages) == 1
 
 
 def test_a_step_taken_by_the_graph_is_not_taken_again():
@@ -157,8 +207,9 @@ def test_a_padding_collator_releases_the_graph_with_one_warning(tmp_path):
 
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen)} for n in lengths]
+    # in this order (no shuffling) no two batches in a row have one shape
     args = cuda_args(tmp_path, optim_args="state_precision=bf16,min_params=0", max_steps=-1, num_train_epochs=1,
-                     per_device_train_batch_size=1)
+                     per_device_train_batch_size=1, train_sampling_strategy="sequential")
     trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=data, data_collator=collate)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -141,13 +141,15 @@ class TrainerGraph:
                 return None
             self.step = GraphedStep(_forward_module(model), trainer.forge_optimizer,
                                     loss_fn=self._loss_fn(trainer, model), warmup_steps=1)
-            self.waiting = 0
         elif self.step.graph is not None and \
                 captured_addresses(self.step.model, self.step.optimizer) != self.step.addresses:
             # a checkpoint was loaded into the optimizer (or the model moved): capture again
             self.step, self.grad_norm, self.same_shapes = None, None, 1
             return None
-        return self._through_graph(trainer, inputs)
+        loss = self._through_graph(trainer, inputs)
+        if self.step is not None and self.step.graph is not None:
+            self.waiting = 0  # captured: STABLE_STEPS batches of one shape came in a row
+        return loss
 
     def _mismatch(self, shapes) -> None:
         """A batch of other shapes after the capture: eager once; twice in a row, release."""
