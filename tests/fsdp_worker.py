@@ -26,11 +26,16 @@ from forge_hf.optim.optimizer import fused_layers
 STEPS, LOCAL_BATCH, SEQ = 3, 2, 3
 MLP_SIZES = (13, 23, 17, 5)
 EXACT_IN, EXACT_OUT = 40, 70  # rows over two or three ranks, across a 64-row tile
-CASES = [("mlp", torch.float32, p) for p in ("fp32", "bf16", "int8")] + \
-        [("exact", torch.bfloat16, p) for p in ("fp32", "bf16", "int8")] + [("exact", torch.float32, "fp32")]
+# (kind, weight dtype, state precision, rule): every state precision with AdamW, every rule
+# with bf16 weights and states (stochastic rounding) on the exactly summable layer
+RULES = ("adagrad", "lion", "nadam", "radam", "rmsprop", "sgd")
+CASES = [("mlp", torch.float32, p, "adamw") for p in ("fp32", "bf16", "int8", "al8")] + \
+        [("exact", torch.bfloat16, p, "adamw") for p in ("fp32", "bf16", "int8", "al8")] + \
+        [("exact", torch.float32, "fp32", "adamw")] + [("exact", torch.bfloat16, "bf16", r) for r in RULES]
+RULE_OPTIONS = {"sgd": dict(momentum=0.9), "rmsprop": dict(momentum=0.9, centered=True)}  # all their states
 
 
-def build(kind, dtype, precision):
+def build(kind, dtype, precision, rule="adamw"):
     """The case's model, patched (fused layers, plain torch elsewhere), as one process starts it."""
     torch.manual_seed(0)
     if kind == "mlp":
@@ -39,8 +44,8 @@ def build(kind, dtype, precision):
     else:
         model = nn.Sequential(nn.Linear(EXACT_IN, EXACT_OUT, bias=False))
     model.to(dtype)
-    forge_hf.patch_model(model, optimizer="adamw", state_precision=precision, backend="reference",
-                         min_params=0, lr=1e-2, weight_decay=0.01)
+    forge_hf.patch_model(model, optimizer=rule, state_precision=precision, backend="reference",
+                         min_params=0, lr=1e-2, weight_decay=0.01, **RULE_OPTIONS.get(rule, {}))
     return model
 
 
@@ -82,8 +87,8 @@ def whole(model) -> dict:
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_case(kind, dtype, precision, world, rank):
-    model = shard(build(kind, dtype, precision), kind)
+def run_case(kind, dtype, precision, rule, world, rank):
+    model = shard(build(kind, dtype, precision, rule), kind)
     opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
     no_fused_grad = True
     for step in range(STEPS):
@@ -96,7 +101,7 @@ def run_case(kind, dtype, precision, world, rank):
     final = whole(model)
 
     # resume: whole weights into a fresh model, sharded, then the whole optimizer state
-    resumed = build(kind, dtype, precision)
+    resumed = build(kind, dtype, precision, rule)
     resumed.load_state_dict(checkpoint[0])
     resumed = shard(resumed, kind)
     resumed_opt = forge_hf.ForgeOptimizer(resumed, lr=1e-2, weight_decay=0.01)

@@ -32,8 +32,8 @@ def _launch(world, tmp_path):
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _single_process(kind, dtype, precision, world, steps):
-    model = fsdp_worker.build(kind, dtype, precision)
+def _single_process(kind, dtype, precision, world, steps, rule="adamw"):
+    model = fsdp_worker.build(kind, dtype, precision, rule)
     opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
     for step in range(steps):
         fsdp_worker.train_step(model, opt, kind, step, dtype, world, -1)
@@ -68,7 +68,7 @@ def launched(request, tmp_path_factory):
     return request.param, _launch(request.param, tmp_path_factory.mktemp(f"fsdp{request.param}"))
 
 
-@pytest.mark.parametrize("case", fsdp_worker.CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}")
+@pytest.mark.parametrize("case", fsdp_worker.CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}-{c[3]}")
 def test_sharded_training_follows_one_process(case, launched):
     """After STEPS steps every rank gathers the same weights, equal to one process trained
     on the concatenated batches (bit for bit for the exactly summable case, bf16 stochastic
@@ -77,7 +77,7 @@ def test_sharded_training_follows_one_process(case, launched):
     model steps as the run that went on. Fused weights never hold a gradient, and the
     ranks' fused states together are exactly one process's."""
     world, ranks = launched
-    kind, dtype, precision = case
+    kind, dtype, precision, rule = case
     got = [r[case] for r in ranks]
     for r in got:
         assert r["no_fused_grad"]
@@ -86,7 +86,7 @@ def test_sharded_training_follows_one_process(case, launched):
         for name, w in r["final"].items():
             assert torch.equal(w, r["resumed"][name]), f"resuming changes the next step of {name}"
 
-    model, opt = _single_process(kind, dtype, precision, world, fsdp_worker.STEPS)
+    model, opt = _single_process(kind, dtype, precision, world, fsdp_worker.STEPS, rule)
     exact = kind == "exact"
     for name, ref in model.state_dict().items():
         if exact:

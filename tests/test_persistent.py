@@ -140,9 +140,9 @@ def test_a_block_with_a_non_finite_gradient_is_skipped_and_counted(precision):
 def test_a_fused_layer_takes_the_persistent_kernel(monkeypatch):
     import forge_hf.kernels.persistent_launch as persistent
     from forge_hf import patch_model
-    calls = []
-    launch = persistent.launch_persistent
-    monkeypatch.setattr(persistent, "launch_persistent", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    calls = []  # a fused layer binds its launch once (dispatch.bind_fused_update) and calls that
+    call = persistent.PersistentLaunch.__call__
+    monkeypatch.setattr(persistent.PersistentLaunch, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
     model = torch.nn.Sequential(torch.nn.Linear(192, 128, bias=False)).cuda().to(BF16)
     patch_model(model, optimizer="adamw", state_precision="bf16", min_params=0, lr=1e-3)
     before = model[0].weight.detach().clone()
