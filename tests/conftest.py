@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Tests on CPU tensors through backend="triton": Triton's interpreter, set up above only where
+# no GPU is
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="runs Triton's interpreter on CPU tensors, set up only without a GPU")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,3 +47,12 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_wgrad_choices(monkeypatch):
+    """No fused-or-two-pass decision and no scratch buffer yet (kernels/dispatch.py, two_pass.py)."""
+    from forge_hf.kernels import dispatch, two_pass
+
+    monkeypatch.setattr(dispatch, "_DECISIONS", {})
+    monkeypatch.setattr(two_pass, "_SCRATCH", {})

@@ -13,8 +13,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers import tiny_llama as small_llama
 from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import forge_hf
 from forge_hf import GraphedStep
@@ -24,11 +24,7 @@ VOCAB, SEQ = 128, 8
 
 
 def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    return small_llama(VOCAB, hidden=96, intermediate=192)
 
 
 def global_batch(step, size):

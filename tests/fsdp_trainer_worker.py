@@ -30,8 +30,9 @@ import torch.distributed as dist
 import transformers.trainer
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from helpers import tiny_llama as small_llama
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import TrainingArguments
 
 import forge_hf
 from forge_hf.optim.fsdp import load_sharded_optimizer
@@ -78,11 +79,7 @@ class CpuFsdp2Accelerator(Accelerator):
 
 
 def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    return small_llama(VOCAB)
 
 
 def dataset(world_batch):

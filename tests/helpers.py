@@ -74,3 +74,14 @@ def two_rank_gather(counts=None):
     gather.group, gather.world, gather.rank, gather.bytes_sent, gather.counted = "tokens", 2, 0, 0, None
     gather.counts = counts
     return gather
+
+
+def tiny_llama(vocab: int, hidden: int = 32, intermediate: int = 64, seed: int = 0):
+    """A two-layer Llama built from its config (nothing downloaded), its weights from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)

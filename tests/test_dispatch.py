@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import interpreter_only
 from helpers import exact_inputs
 
 from forge_hf.core.launch_args import pack_args
@@ -66,11 +67,8 @@ def test_triton_on_cpu_without_the_interpreter_is_refused_in_a_fresh_process():
             "the weight is on cpu: use backend='auto' or 'reference'") in done.stderr, done.stderr
 
 
-# Tests on CPU tensors through backend="triton": Triton's interpreter, set up only where no
-# GPU is (conftest.py); on a GPU test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits and
+# interpreter_only tests: on a GPU test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits and
 # the *_on_gpu tests of test_two_pass.py cover the paths
-interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
-                                      reason="runs Triton's interpreter on CPU tensors, set up only without a GPU")
 
 
 # ------------------------------------------------------------------ a bound launch
@@ -196,14 +194,6 @@ def test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits():
 # ------------------------------------------------------- the fused-or-two-pass choice
 
 
-@pytest.fixture
-def fresh_choices(monkeypatch):
-    monkeypatch.setattr(dispatch, "_DECISIONS", {})
-    from forge_hf.kernels import two_pass
-
-    monkeypatch.setattr(two_pass, "_SCRATCH", {})
-
-
 @interpreter_only
 def test_wgrad_paths_and_an_unknown_one(monkeypatch):
     assert dispatch.WGRAD_PATHS == ("auto", "fused", "two_pass")
@@ -224,7 +214,7 @@ def test_wgrad_paths_and_an_unknown_one(monkeypatch):
 
 
 @interpreter_only
-def test_auto_is_fused_on_cpu_without_timing(monkeypatch, fresh_choices, caplog):
+def test_auto_is_fused_on_cpu_without_timing(monkeypatch, fresh_wgrad_choices, caplog):
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
     monkeypatch.setattr(dispatch, "_time_paths_ms", None)  # a call would fail
     with caplog.at_level("INFO", logger="forge_hf"):
@@ -265,7 +255,7 @@ class _FakeTimer:
 @pytest.mark.parametrize("times,path", [(dict(fused=2.0, two_pass=1.0), "two_pass"),
                                         (dict(fused=1.0, two_pass=0.99), "fused")],  # within the margin
                          ids=["two_pass_faster", "two_pass_barely_faster"])
-def test_auto_times_both_paths_on_copies_once_per_shape(times, path, monkeypatch, fresh_choices, caplog):
+def test_auto_times_both_paths_on_copies_once_per_shape(times, path, monkeypatch, fresh_wgrad_choices, caplog):
     """auto where it can time (a GPU; stood in for on CPU): the first launch at a shape
     times both paths on copies of the weight and states, then steps the layer once by the
     faster; later launches, and other layers of that shape, reuse the decision."""
@@ -303,7 +293,7 @@ def test_auto_times_both_paths_on_copies_once_per_shape(times, path, monkeypatch
 
 
 @interpreter_only
-def test_a_capture_before_any_timing_runs_fused_and_decides_later(monkeypatch, fresh_choices):
+def test_a_capture_before_any_timing_runs_fused_and_decides_later(monkeypatch, fresh_wgrad_choices):
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
     monkeypatch.setattr(dispatch, "_unmeasurable", lambda x, dy, device: None)
     capturing = [True]
@@ -321,7 +311,7 @@ def test_a_capture_before_any_timing_runs_fused_and_decides_later(monkeypatch, f
     assert timer.calls == 1 and [c.path for c in dispatch.wgrad_choices().values()] == ["two_pass"]
 
 
-def test_the_reference_backend_has_one_path(monkeypatch, fresh_choices):
+def test_the_reference_backend_has_one_path(monkeypatch, fresh_wgrad_choices):
     monkeypatch.setenv("FORGE_HF_WGRAD", "two_pass")
     bound = _steps(lambda w, slots, stats: bind_fused_update("reference", w, slots, stats, "adamw", True), "bf16")
     direct = _steps(lambda w, slots, stats: lambda x, dy, args, st: reference_fused_update(

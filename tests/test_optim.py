@@ -11,8 +11,9 @@ import torch
 import transformers
 from conftest import DEVICE
 from helpers import RTOL_FP32, assert_close_rel, exact_inputs
+from helpers import tiny_llama as small_llama
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from forge_hf import ForgeLinear
 from forge_hf.nn.linear import ForgeFallbackWarning
@@ -23,11 +24,7 @@ VOCAB, SEQ = 128, 16
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    return small_llama(VOCAB, seed=seed)
 
 
 def batches(n: int, batch_size: int = 4, seed: int = 1) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ the interpreter (conftest.py); the GPU tests run cuBLAS and CUDA graphs."""
 
 import pytest
 import torch
+from conftest import interpreter_only
 from helpers import RTOL_FP32, assert_close_rel, bf16_ulps_apart, exact_gradient, exact_inputs
 from transformers.pytorch_utils import Conv1D
 
@@ -28,17 +29,9 @@ PRECISIONS = [  # (weight dtype, state precision, rounding), as tests/test_backe
 PRECISION_IDS = [f"{str(w)[6:]}-{s}-{r}" for w, s, r in PRECISIONS]
 
 
-# Tests on CPU tensors through backend="triton": Triton's interpreter, set up only where no
-# GPU is (conftest.py); the *_on_gpu tests below cover the GPU path
-interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
-                                      reason="runs Triton's interpreter on CPU tensors, set up only without a GPU")
-
-
-@pytest.fixture(autouse=True)
-def fresh_choices_and_scratch(monkeypatch):
-    """Each test decides its paths and grows its scratch buffers from nothing."""
-    monkeypatch.setattr(dispatch, "_DECISIONS", {})
-    monkeypatch.setattr(two_pass, "_SCRATCH", {})
+# interpreter_only tests: the *_on_gpu tests below cover the GPU path. Each test decides its
+# paths and grows its scratch buffers from nothing.
+pytestmark = pytest.mark.usefixtures("fresh_wgrad_choices")
 
 
 @pytest.fixture
