@@ -368,7 +368,7 @@ class ForgeTrainerMixin:
         optimizer = self.forge_optimizer
         if not self.forge_fsdp2 or optimizer is None:
             return
-        if all(p in optimizer.state for group in optimizer.param_groups for p in group["params"]):
+        if all(p in optimizer.state for p in optimizer.params()):
             return  # built on the model's present parameters already
         if any(state.allocated for state in optimizer.state.values()):
             raise RuntimeError("the model was sharded by FSDP2 after the ForgeOptimizer had stepped: prepare "

@@ -189,10 +189,6 @@ def fsdp_needed(model: torch.nn.Module) -> bool:
 _GROUPS = "param_groups"
 
 
-def _optimizer_params(optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def _row_dtensor(local: torch.Tensor, p: DTensor, n_rows: int) -> DTensor:
     """``local``, this rank's rows of an (n_rows, ...) state of the FSDP2 parameter ``p``,
     as the whole tensor's DTensor (torch.chunk's uneven layout, as FSDP2 places ``p``)."""
@@ -209,7 +205,7 @@ def save_sharded_optimizer(optimizer, checkpoint_dir) -> None:
 
     groups = torch.optim.Optimizer.state_dict(optimizer)[_GROUPS]  # hyperparameters and parameter indices
     sd = {_GROUPS: tuple(groups)}  # a tuple of dicts is one entry for DCP, not one per value
-    for i, p in enumerate(_optimizer_params(optimizer)):
+    for i, p in enumerate(optimizer.params()):
         state = optimizer.state[p]
         if not state.allocated:
             continue
@@ -227,7 +223,7 @@ def load_sharded_optimizer(optimizer, checkpoint_dir) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    params = _optimizer_params(optimizer)
+    params = optimizer.params()
     reader = dcp.FileSystemReader(str(checkpoint_dir))
     # DCP fills a state dict of the right shapes in place: built from what the checkpoint holds
     template = {}

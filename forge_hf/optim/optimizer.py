@@ -132,7 +132,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if p in self._layers:
                     self._layers[p].forge_group = group
 
-    def _params(self) -> list[torch.Tensor]:
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter, in state_dict's numbering (param_groups' order)."""
         return [p for group in self.param_groups for p in group["params"]]
 
     # ------------------------------------------------------------------ step
@@ -273,7 +274,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()  # param_groups (hyperparameters) with torch's parameter indices
-        sd["state"] = {i: self._full_state(p) for i, p in enumerate(self._params())
+        sd["state"] = {i: self._full_state(p) for i, p in enumerate(self.params())
                        if self.state[p].allocated}
         return sd
 
@@ -323,7 +324,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         states = self.state  # ForgeState objects, shared with the fused layers: keep them
         super().load_state_dict({**state_dict, "state": {}})  # checks and restores param_groups
         self.state = states
-        for i, p in enumerate(self._params()):
+        for i, p in enumerate(self.params()):
             state = self.state[p]
             if i in saved:
                 state.load_state_dict(own_rows(p, saved[i]), self._local(p))
