@@ -15,6 +15,7 @@ from test_distributed import one_process_group  # noqa: F401 - a fixture
 from test_optim import VOCAB, tiny_llama
 from test_trainer import step_logs, training_args
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
@@ -166,6 +167,20 @@ def test_a_layer_whose_backward_op_has_no_used_output_is_stepped(mlp_runs):
     up = run["model"].up
     assert up.bias is None and up.forge_state.step == STEPS
     assert not torch.equal(up.weight, run["start"][0])
+
+
+def test_a_compiled_backward_leaves_no_accumulate_grad_alive(single_thread):
+    """Autograd reuses a leaf's AccumulateGrad while anything holds it, on the stream it was
+    made on: one held from an eager step would make a captured step (ForgeTrainer's CUDA
+    graph after its eager warm-up) wait on that stream, and the capture fail. A node's
+    metadata lives as long as the node: a mark set after the step is gone if nothing held it."""
+    model, opt = patched(MLP)
+    train(torch.compile(model, backend="aot_eager", fullgraph=True), opt, batches(24, 16, n=1))
+    leaves = {"anchor": model.mid._forge_anchor, "bias": model.mid.bias}
+    for leaf in leaves.values():
+        get_gradient_edge(leaf).node.metadata["forge_test_mark"] = True
+    held = [name for name, leaf in leaves.items() if "forge_test_mark" in get_gradient_edge(leaf).node.metadata]
+    assert held == []
 
 
 def test_a_changing_learning_rate_compiles_nothing_again(mlp_runs):

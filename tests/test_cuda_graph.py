@@ -219,18 +219,28 @@ def test_a_padding_collator_releases_the_graph_with_one_warning(tmp_path):
     assert len(step_logs(trainer)) == len(lengths)
 
 
-def test_a_compiled_step_is_not_captured_and_the_reason_says_so():
-    """torch_compile=True keeps the step eager (its capture failed on the GPU and broke the
-    process's CUDA random generator); cuda_graph=true then refuses, naming torch_compile."""
+def test_gradient_checkpointing_is_a_reason_and_torch_compile_is_not():
     from types import SimpleNamespace
 
     from forge_hf.integrations.cuda_graph import TrainerGraph
 
-    trainer = SimpleNamespace(args=SimpleNamespace(torch_compile=True, gradient_checkpointing=False),
-                              forge_optimizer=SimpleNamespace(stop_on_nonfinite=False))
-    reason = TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2))
-    assert reason.startswith("torch_compile=True: capturing the compiled step fails on the GPU")
-    with pytest.raises(RuntimeError, match="cuda_graph=true, but the step cannot be captured: torch_compile=True"):
-        TrainerGraph("true")._disable(reason)
-    trainer.args.torch_compile = False
+    args = SimpleNamespace(torch_compile=True, gradient_checkpointing=False)
+    trainer = SimpleNamespace(args=args, forge_optimizer=SimpleNamespace(stop_on_nonfinite=False))
     assert TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2)) is None
+    args.gradient_checkpointing = True
+    reason = TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2))
+    assert reason.startswith("gradient checkpointing")
+    with pytest.raises(RuntimeError, match="cuda_graph=true, but the step cannot be captured: gradient checkpointing"):
+        TrainerGraph("true")._disable(reason)
+
+
+@pytest.mark.gpu
+def test_a_compiled_step_is_captured_and_follows_the_compiled_eager_one(tmp_path):
+    """torch_compile=True: the compiled model's step captured, forge's kernels inside it."""
+    torch._dynamo.reset()
+    start = [p.detach().clone() for p in cuda_llama().parameters()]
+    graphed = train(tmp_path / "g", "true", torch_compile=True)
+    torch._dynamo.reset()
+    eager = train(tmp_path / "e", "false", torch_compile=True)
+    assert graphed.forge_graph.step.graph is not None and graphed.forge_graph.step.calls == 10 - 1
+    assert_trains_alike(graphed, eager, start)

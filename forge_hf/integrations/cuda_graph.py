@@ -7,7 +7,8 @@ the fused updates, ForgeOptimizer.step) is captured by optim/graphs.GraphedStep 
 replayed for every later batch of those shapes; the Trainer's own ``optimizer.step()`` then
 has nothing left to do. Everything else the Trainer does between steps (logging, the LR
 scheduler, evaluation, checkpoints, callbacks) runs as usual: the replay reads the learning
-rate and step counts afresh each time.
+rate and step counts afresh each time. With ``torch_compile=True`` the step captured is the
+compiled one: the compiled model's kernels and forge's, replayed together.
 
 ``auto`` (the default) captures on a CUDA device where the step can be captured and says
 once, in a warning, why not where it cannot; ``true`` refuses to train eagerly, naming the
@@ -69,11 +70,6 @@ class TrainerGraph:
 
     def _static_reason(self, trainer, model: nn.Module) -> str | None:
         """Why no step of this run can be captured (checked until the first capture)."""
-        if getattr(trainer.args, "torch_compile", False):
-            # Capturing a compiled step fails on the GPU, and a failed capture leaves CUDA's
-            # random generator unusable for the rest of the process (dropout, inits)
-            return ("torch_compile=True: capturing the compiled step fails on the GPU; the compiled step "
-                    "runs eagerly (or use cuda_graph without torch_compile, the faster of the two)")
         if trainer.args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False):
             return ("gradient checkpointing recomputes the forward inside backward with host-side RNG "
                     "bookkeeping a capture cannot hold")

@@ -180,6 +180,14 @@ def _(x, dy, anchor, tag, need_dx):
 _ANCHORS: tuple = (None, {})  # (the running compiled backward node, id(leaf) -> its AccumulateGrad)
 
 
+def _release_anchors() -> None:
+    """Drop the index at the end of the backward that built it. Autograd reuses a leaf's
+    AccumulateGrad while anything holds it, on the stream it was made on: one kept from an
+    eager step would make a captured step wait on that stream, which fails the capture."""
+    global _ANCHORS
+    _ANCHORS = (None, {})
+
+
 def _anchor_in_this_backward(layer: nn.Module) -> bool:
     """Whether the running backward executes the AccumulateGrad of ``layer``'s anchor (an
     input of the compiled graph's backward node; its edges are indexed once per node)."""
@@ -190,6 +198,7 @@ def _anchor_in_this_backward(layer: nn.Module) -> bool:
     ref, accumulators = _ANCHORS
     if ref is None or ref() is not node:
         accumulators = {id(fn.variable): fn for fn, _ in node.next_functions if hasattr(fn, "variable")}
+        torch.autograd.Variable._execution_engine.queue_callback(_release_anchors)
         _ANCHORS = (weakref.ref(node), accumulators)
     acc = accumulators.get(id(layer.__dict__.get("_forge_anchor")))
     return acc is None or torch._C._will_engine_execute_node(acc)
