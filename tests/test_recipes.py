@@ -130,6 +130,8 @@ def test_missing_recipe_file(tmp_path):
     ({"adam_beta1": 1.5}, (), ["betas=(1.5, 0.999)"]),
     ({"gradient_accumulation_steps": 4}, (), ["gradient_accumulation_steps=4", "per_device_train_batch_size"]),
     ({"eval_rows": 0}, (), ["eval_strategy='steps'", "eval_rows"]),
+    ({"torch_compile": True, "use_liger_kernel": True}, (), ["torch_compile=True with use_liger_kernel=True",
+                                                            "use_liger_kernel=True without torch_compile"]),
     ({}, ("max_steps",), ["max_steps=-1"]),
     ({"optim_args": "backend=auto"}, (), ["backend is set twice", "forge_backend"]),
     ({"text_template": "{problem} {answer}"}, (), ["text_template", "'answer'"]),

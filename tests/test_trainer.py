@@ -264,7 +264,8 @@ def test_recompute_swiglu_through_optim_args_trains_bit_for_bit(tmp_path):
     ({}, lambda args: setattr(args, "deepspeed", {"zero_optimization": {"stage": 2}}), "DeepSpeed"),
     (dict(optim="adamw_torch"), None, "not a forge optimizer"),
     (dict(optim_args=f"{FAST},lr=0.1"), None, "TrainingArguments.learning_rate"),
-], ids=["accumulation", "fp16", "auto_batch", "deepspeed", "not_forge", "lr_in_optim_args"])
+    (dict(torch_compile=True, use_liger_kernel=True), None, "torch_compile=True with use_liger_kernel=True .* alone"),
+], ids=["accumulation", "fp16", "auto_batch", "deepspeed", "not_forge", "lr_in_optim_args", "compile_with_liger"])
 def test_refusals(tmp_path, overrides, after, match):
     args = training_args(tmp_path, **overrides)
     if after is not None:
