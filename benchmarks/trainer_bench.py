@@ -21,6 +21,9 @@ emptied between arms). Each arm's row goes to the results table (results_table.p
 arm ends.
 
     python benchmarks/trainer_bench.py --models llama-3.1-8b --batches 1x512 --arms adamw_fused,forge
+    python benchmarks/trainer_bench.py --arms forge_compile --forge-options recompute_swiglu=true
+
+--forge-options adds forge options (optim_args syntax) to every forge arm; the rows' note names them.
 """
 
 from __future__ import annotations
@@ -101,14 +104,15 @@ def world_of_one():
             os.environ.pop(k, None)
 
 
-def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool) -> dict:
+def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
+            forge_options: str = "") -> dict:
     base, fsdp2 = arm.removesuffix("_fsdp2"), arm.endswith("_fsdp2")
     with world_of_one() if fsdp2 else contextlib.nullcontext():
-        return _run_arm(base, model_name, batch, length, steps, warmup, bf16 and not fsdp2, fsdp2)
+        return _run_arm(base, model_name, batch, length, steps, warmup, bf16 and not fsdp2, fsdp2, forge_options)
 
 
 def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
-             fsdp2: bool) -> dict:
+             fsdp2: bool, forge_options: str) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import forge_hf
@@ -127,7 +131,8 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
             lr_scheduler_type="constant", max_grad_norm=0.0, bf16=bf16, logging_steps=10_000, save_strategy="no",
             report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"), seed=0,
             optim="forge_adamw" if forge else "adamw_torch_fused",
-            optim_args=(f"state_precision={state}" + (",cuda_graph=false" if base == "forge_eager" else ""))
+            optim_args=",".join(filter(None, (f"state_precision={state}",
+                                              "cuda_graph=false" if base == "forge_eager" else "", forge_options)))
             if forge else None, **fsdp)
         data = RandomTokens(batch * (warmup + steps), length, model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
@@ -140,7 +145,8 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
     q = statistics.quantiles(timed, n=4) if len(timed) >= 4 else [min(timed), 0, max(timed)]
     del trainer, model
     note = f"{len(timed)} steps after {warmup}; IQR" + (f"; graphed={graphed}" if forge else "") + \
-        ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "")
+        ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
+        (f"; {forge_options}" if forge and forge_options else "")
     return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
 
 
@@ -153,6 +159,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=6, help="untimed steps (compile, capture)")
     p.add_argument("--bf16", choices=("on", "off"), default="on",
                    help="TrainingArguments.bf16 (autocast) for the arms without FSDP2")
+    p.add_argument("--forge-options", default="", help="more forge options for the forge arms, as in optim_args "
+                   "(e.g. recompute_swiglu=true)")
     p.add_argument("--out", help="also write the rows as JSON here")
     add_table_option(p)
     opts = p.parse_args()
@@ -163,7 +171,8 @@ def main() -> None:
             for arm in opts.arms.split(","):
                 row = dict(model=model_name, batch=cell, arm=f"trainer_{arm}", tool="trainer_bench")
                 try:
-                    row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup, opts.bf16 == "on"))
+                    row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup, opts.bf16 == "on",
+                                       opts.forge_options))
                 except Exception as e:  # an arm that fails (out of memory, a compile error) is a row too
                     traceback.print_exc()
                     row.update(step_ms="", spread_ms="", peak_gib=torch.cuda.max_memory_allocated() / 2**30,
