@@ -68,8 +68,7 @@ def _drive_graph(lengths, monkeypatch):
     on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
     model = types.SimpleNamespace(parameters=lambda: iter([on_gpu]), train=lambda: None)
     optimizer = types.SimpleNamespace(last_grad_norm=None, skip_next_step=lambda: None)
-    trainer = types.SimpleNamespace(args=types.SimpleNamespace(torch_compile=False), forge_optimizer=optimizer,
-                                    _prepare_inputs=lambda inputs: inputs)
+    trainer = types.SimpleNamespace(forge_optimizer=optimizer, _prepare_inputs=lambda inputs: inputs)
     graph = cuda_graph.TrainerGraph("auto")
     monkeypatch.setattr(graph, "_static_reason", lambda trainer, model: None)
     with warnings.catch_warnings(record=True) as caught:
@@ -220,12 +219,10 @@ def test_a_padding_collator_releases_the_graph_with_one_warning(tmp_path):
 
 
 def test_gradient_checkpointing_is_a_reason_and_torch_compile_is_not():
-    from types import SimpleNamespace
-
     from forge_hf.integrations.cuda_graph import TrainerGraph
 
-    args = SimpleNamespace(torch_compile=True, gradient_checkpointing=False)
-    trainer = SimpleNamespace(args=args, forge_optimizer=SimpleNamespace(stop_on_nonfinite=False))
+    args = types.SimpleNamespace(torch_compile=True, gradient_checkpointing=False)
+    trainer = types.SimpleNamespace(args=args, forge_optimizer=types.SimpleNamespace(stop_on_nonfinite=False))
     assert TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2)) is None
     args.gradient_checkpointing = True
     reason = TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2))
