@@ -14,12 +14,13 @@ import time
 import torch
 
 import forge_hf
-from forge_hf.core.launch_args import pack_args
+from forge_hf.core.launch_args import next_launch_args, pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
+from forge_hf.kernels.bound_launch import BoundLaunch
 from forge_hf.kernels.dispatch import launch_fused_update
 from forge_hf.kernels.fused_update import RULE_UPDATES, fused_launch_arguments, fused_update_kernel
-from forge_hf.kernels.persistent_launch import launch_persistent, persistent_unsupported
+from forge_hf.kernels.persistent_launch import PersistentLaunch, launch_persistent, persistent_unsupported
 
 from models import build_model
 from results_table import add_table_option, append_rows
@@ -55,18 +56,26 @@ def launch_costs() -> dict:
     names = fused_update_kernel.arg_names
     every = positional + [constexprs[n] for n in names[len(positional):]]
     runner = compiled[grid]
+    bound = BoundLaunch(w, slots, "adamw", True)
+    rule_pass = BoundLaunch(w, slots, "adamw", True, grad_given=True)
+    grad = torch.zeros(64, 64, device="cuda")
     calls = {
         "pack_args": lambda: pack_args(rule.prepare(group, dict(state.host)), 1, 7, "cuda"),
+        "next_launch_args": lambda: next_launch_args(rule, group, state, 7, w.device),
         "fused_launch_arguments": lambda: fused_launch_arguments(x, dy, w, slots, args, stats, "adamw", True),
         "launch_fused_update": lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", True),
         "triton_jit_dispatch": lambda: fused_update_kernel[grid](*positional, **constexprs, num_warps=4,
                                                                  num_stages=3),
         "compiled_runner": lambda: runner(*every),
+        "bound_launch": lambda: bound(x, dy, args, stats),
+        "bound_rule_pass": lambda: rule_pass(grad, grad, args, stats),
         "torch_add_": lambda: w.add_(0),  # for reference: one small torch op
     }
     if persistent_unsupported(x, dy, w, slots) is None:
         calls["launch_persistent"] = lambda: launch_persistent(x, dy, w, slots, args, stats, RULE_UPDATES["adamw"],
                                                                True)
+        persistent = PersistentLaunch(w, slots, stats, RULE_UPDATES["adamw"], True)
+        calls["persistent_bound"] = lambda: persistent(x, dy, args, stats)
     costs = {name: per_call_us(fn) for name, fn in calls.items()}
     print("us per call (host, 64 x 64 layer, 16 tokens):")
     for name, us in costs.items():

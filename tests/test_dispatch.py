@@ -146,7 +146,7 @@ def test_the_persistent_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(
 
     log = []
     monkeypatch.setattr(fused_update, "INTERPRETER", False)
-    monkeypatch.setattr(dispatch, "launch_fused_update", _Recorder("triton", log))
+    monkeypatch.setattr(dispatch, "BoundLaunch", lambda *args, **kwargs: _Recorder("triton", log))
     monkeypatch.setattr(persistent_launch, "PersistentLaunch",
                         lambda *args: _Recorder("persistent", log))
     cpu_says = persistent_launch.device_unsupported

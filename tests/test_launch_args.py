@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, args_words, next_launch_args, pack_args
+from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, HostRing, args_words, next_launch_args, pack_args
 from forge_hf.core.rules import NUM_SCALARS, get_rule, make_group
 from forge_hf.core.state import ForgeState
 
@@ -74,6 +74,29 @@ def test_eager_arguments_on_a_gpu_refill_one_device_row_per_state():
     shadow = rule.host_init()
     rule.prepare(group, shadow)
     assert second.tolist() == args_words(rule.prepare(group, shadow), 2, 1)
+
+
+@pytest.mark.gpu
+def test_the_host_ring_lets_every_copy_leave_before_its_row_is_written_again():
+    """The GPU is held up while the host goes round the ring several times, and for a while
+    the launches go to another stream: each launch must still read its own words."""
+    rule = get_rule("adamw")
+    group = make_group(rule, {})
+    states = [ForgeState(rule, "fp32") for _ in range(3)]
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    seen, expected = [], []
+    torch.cuda._sleep(50_000_000)  # ~25 ms: the copies queue up behind it
+    for i in range(3 * HostRing.ROWS + 7):
+        state = states[i % 3]
+        stream = side if 300 <= i < 340 else main
+        stream.wait_stream(main if stream is side else side)
+        with torch.cuda.stream(stream):
+            args = next_launch_args(rule, group, state, salt=i, device="cuda")
+            seen.append(args.clone())  # what a kernel launched here would read
+        expected.append((state.step, i))
+    torch.cuda.synchronize()
+    got = [(int(a[NUM_SCALARS]), int(a[NUM_SCALARS + 1])) for a in torch.stack(seen).cpu()]
+    assert got == expected
 
 
 @pytest.mark.gpu

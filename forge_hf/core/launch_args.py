@@ -2,8 +2,9 @@
 
 Every stepped tensor's launch reads a small int32 tensor: the rule's fp32 constants (as
 bit patterns), the step count, the layer's rounding salt and its first row. Eagerly each
-stepped tensor has one device row on a CUDA device, refilled by one asynchronous copy from
-a pinned host row (``ArgsRow``), elsewhere a fresh tensor (``pack_args``). A captured step
+stepped tensor has one device row on a CUDA device (``ArgsRow``), refilled by one
+asynchronous copy from a row of the device's pinned ``HostRing``, elsewhere a fresh tensor
+(``pack_args``). A captured step
 cannot run Python at replay, so while it is captured ``next_launch_args`` hands out rows of
 one device table instead and records who owns each row; before every replay
 ``ArgsTable.refresh`` runs the rules' host work in the captured order (the step counts
@@ -47,28 +48,64 @@ def pack_args(scalars: list[float], step: int, salt: int, device, row0: int = 0)
     return torch.tensor(args_words(scalars, step, salt, row0), dtype=torch.int32).to(device, non_blocking=True)
 
 
-class ArgsRow:
-    """One stepped tensor's arguments on a CUDA device, refilled for every launch: the
-    words go into one of two pinned host rows, which one asynchronous copy moves to the
-    device row. Launches of one stream read the device row in order, so one suffices; an
-    event per host row keeps it from being overwritten before its copy has left."""
+class HostRing:
+    """Pinned host rows for one CUDA device's eager launch arguments, written in turn: an
+    asynchronous copy moves each to its tensor's device row, so a host row may be written
+    again only once its copy has left. One event per half of the ring, recorded after the
+    half's last copy and waited on before the half is written again (a ring's length of
+    launches later), rather than two event calls per launch."""
+
+    ROWS = 256
 
     def __init__(self, device: torch.device):
         self.device = device
-        host = torch.zeros(2, ROW_STRIDE, dtype=torch.int32, pin_memory=True)
+        host = torch.zeros(self.ROWS, ROW_STRIDE, dtype=torch.int32, pin_memory=True)
         self._host_rows = list(host)  # views made once: a view costs host time at every launch
         self._words = host.numpy()
-        self._device = torch.zeros(ROW_STRIDE, dtype=torch.int32, device=device)
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._next = 0
+        self._left = [torch.cuda.Event(), torch.cuda.Event()]  # each half's copies have left
+        self._stream: torch.cuda.Stream | None = None  # where this half's copies went
+        self._raw_stream = None
+
+    def copy(self, words: list[int], device_row: torch.Tensor) -> None:
+        """``device_row`` (ROW_STRIDE int32 on this device) = ``words``, asynchronously on the
+        current stream."""
+        i = self._next
+        half = i * 2 // self.ROWS
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        if i % (self.ROWS // 2) == 0:  # a half begins: its previous copies must have left
+            self._left[half].synchronize()
+            self._stream, self._raw_stream = torch.cuda.current_stream(self.device), raw
+        elif raw != self._raw_stream:  # another stream: what this half sent on the last one must leave first
+            self._left[half].record(self._stream)
+            self._left[half].synchronize()
+            self._stream, self._raw_stream = torch.cuda.current_stream(self.device), raw
+        self._words[i, :len(words)] = words
+        device_row.copy_(self._host_rows[i], non_blocking=True)
+        self._next = (i + 1) % self.ROWS
+        if self._next % (self.ROWS // 2) == 0:
+            self._left[half].record(self._stream)
+
+
+_rings: dict[int, HostRing] = {}  # CUDA device index -> its ring
+
+
+class ArgsRow:
+    """One stepped tensor's arguments on a CUDA device, refilled for every launch by a copy
+    out of the device's HostRing. Launches of one stream read the device row in order, so
+    one suffices."""
+
+    def __init__(self, device: torch.device):  # a CUDA device with its index
+        self.device = device
+        self._device = torch.zeros(ROW_STRIDE, dtype=torch.int32, device=device)
+        ring = _rings.get(device.index)
+        if ring is None:
+            ring = _rings[device.index] = HostRing(device)
+        self._ring = ring
         self.row = self._device[:ARGS_LEN]
 
     def write(self, words: list[int]) -> torch.Tensor:
-        i, self._next = self._next, 1 - self._next
-        self._copied[i].synchronize()  # the copy out of this host row, two launches ago, has left
-        self._words[i, :ARGS_LEN] = words
-        self._device.copy_(self._host_rows[i], non_blocking=True)
-        self._copied[i].record(torch.cuda.current_stream(self._device.device))  # the copy's stream
+        self._ring.copy(words, self._device)
         return self.row
 
 
@@ -81,10 +118,13 @@ def next_launch_args(rule, group: dict, state, salt: int, device, row0: int = 0)
     step is captured, a row of the capture's table (filled at each replay)."""
     if _recording is not None:
         return _recording.add(rule, group, state, salt, row0)
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type != "cuda":
         return pack_args(rule.prepare(group, state.host), state.step, salt, device, row0)
-    if torch.cuda.is_current_stream_capturing():
+    if device.index is None:  # a tensor's device has its index; "cuda" alone means the current one
+        device = torch.device("cuda", torch.cuda.current_device())
+    if torch._C._cuda_isCurrentStreamCapturing():
         raise RuntimeError(
             "a fused step is being captured into a CUDA graph outside forge_hf's own capture: each replay "
             "would reuse this step's learning rate and step count. Capture with forge_hf.GraphedStep (or "

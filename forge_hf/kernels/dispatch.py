@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.codecs import QuantisedSlot, storage_kind
+from .bound_launch import BoundLaunch
 from .reference import reference_fused_update
 from .two_pass import GradientScratch, is_capturing, scratch_for, weight_gradient
 
@@ -108,8 +109,11 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     mode = wgrad_mode()
     if resolve_backend(backend, weight.device) is not launch_fused_update:
         return fused  # the reference: no Triton for the rule pass, and the same arithmetic anyway
+    rule_pass = BoundLaunch(weight, slots, rule_name, stochastic, grad_given=True)
+
     def two_pass(x, dy, args, stats):
-        two_pass_step(x, dy, weight, slots, args, stats, rule_name, stochastic)
+        grad = weight_gradient(x, dy, weight, scratch_for(weight.device))
+        rule_pass(grad, grad, args, stats)
 
     def measure(x, dy, args) -> dict[str, float]:
         bind_copy = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
@@ -133,7 +137,12 @@ def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: 
     """The fused path's ``launch(x, dy, args, stats)``: the persistent kernel where it
     applies, else the backend's function."""
     run = resolve_backend(backend, weight.device)
-    if run is launch_fused_update and not _kernels().INTERPRETER:
+    if run is not launch_fused_update:
+        def launch(x, dy, args, stats):
+            run(x, dy, weight, slots, args, stats, rule_name, stochastic)
+        return launch
+    triton_launch = BoundLaunch(weight, slots, rule_name, stochastic)
+    if not _kernels().INTERPRETER:
         from .persistent_launch import PersistentLaunch, device_unsupported, tokens_unsupported, weight_unsupported
 
         if device_unsupported(weight.device) is None and weight_unsupported(weight, slots) is None:
@@ -143,12 +152,9 @@ def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: 
                 if tokens_unsupported(x, dy) is None:
                     persistent(x, dy, args, stats)
                 else:
-                    launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic)
+                    triton_launch(x, dy, args, stats)
             return launch
-
-    def launch(x, dy, args, stats):
-        run(x, dy, weight, slots, args, stats, rule_name, stochastic)
-    return launch
+    return triton_launch
 
 
 # ------------------------------------------------------------- fused or two-pass

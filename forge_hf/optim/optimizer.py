@@ -21,7 +21,8 @@ from ..core.launch_args import next_launch_args
 from ..core.rounding import layer_salt
 from ..core.rules import get_rule, make_group
 from ..core.state import ForgeState
-from ..kernels.dispatch import launch_rule_step, resolve_backend
+from ..kernels.bound_launch import BoundLaunch
+from ..kernels.dispatch import resolve_backend
 from ..kernels.reference import reference_fused_update, reference_rule_rows
 from ..nn.linear import FusedWeightMixin
 from .fsdp import enable_fsdp, fsdp_needed, param_shards
@@ -119,6 +120,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # on a GPU, instead of whole-tensor PyTorch temporaries
         self._kernel = resolve_backend(first.forge_backend, self._device) is not reference_fused_update
         self._nonfinite = torch.zeros((), device=self._device)
+        self._launches: dict[torch.Tensor, tuple] = {}  # non-fused tensor -> (its layout, its BoundLaunch)
         self.last_grad_norm: torch.Tensor | None = None
         self._step_taken = False
         self.link_layers()
@@ -168,24 +170,35 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for group, stats in [(None, whole), *bands.values()]:
             if not stats:
                 continue
-            part = torch.stack([s.to(self._device) for s in stats]).sum(0)
+            part = torch.stack([s if s.device == self._device else s.to(self._device) for s in stats]).sum(0)
             if stats is not whole:
                 dist.all_reduce(part, group=group)
             totals += part
             torch._foreach_zero_(stats)
         sq, bad = totals[0], totals[1]
         shard_totals = {}  # FSDP2 shards: id(group) -> (group, [squared sum, skipped]) of this rank's rows
+        pooled = {}  # device -> [squared sum, skipped] the kernel adds every whole tensor's into
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p_sq, p_bad = self._step_tensor(p, group)
                     shards = self._shards.get(p)
+                    stats = None
+                    if self._kernel and shards is None:
+                        stats = pooled.get(p.device)
+                        if stats is None:
+                            stats = pooled[p.device] = torch.zeros(2, device=p.device)
+                    p_sq, p_bad = self._step_tensor(p, group, stats)
+                    if stats is not None:
+                        continue  # summed with the others below
                     if shards is None:
                         sq += p_sq.to(self._device)
                         bad += p_bad.to(self._device)
                     else:
                         part = shard_totals.setdefault(id(shards.group), (shards.group, torch.zeros(2)))[1]
                         part += torch.stack([p_sq.float().cpu(), p_bad.float().cpu()])
+        for stats in pooled.values():
+            sq += stats[0].to(self._device)
+            bad += stats[1].to(self._device)
         for shard_group, part in shard_totals.values():
             part = part.to(self._device)
             dist.all_reduce(part, group=shard_group)
@@ -205,8 +218,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
     # few hundred MB, where a whole 0.5B-entry embedding would take tens of GB at once.
     CHUNK = 1 << 24
 
-    def _step_tensor(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """One rule step of ``p`` from ``p.grad``: (its squared sum, 1 if it was skipped).
+    def _step_tensor(self, p: torch.Tensor, group: dict, stats: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One rule step of ``p`` from ``p.grad``: (its squared sum, 1 if it was skipped), or
+        with the kernel and ``stats``, those added into ``stats`` (and returned as its items).
 
         A fused layer's weight (fusion switched off) is stepped in the kernels' (out, in)
         view with its layer's state, which may be 8-bit; other states are fp32 or bf16.
@@ -226,7 +241,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         slots = state.kernel_slots()
         if self._kernel:
             args = next_launch_args(self.rule, group, state, self._salt[p], local.device, row0)
-            return self._step_with_kernel(w, g, slots, args, sharded=shards is not None)
+            return self._step_with_kernel(p, w, g, slots, args, stats, sharded=shards is not None)
         scalars = self.rule.prepare(group, state.host)  # fp32 constants, as the kernels receive them
         consts = torch.tensor(scalars, dtype=torch.float32).to(local.device).unbind()
         ok = torch.isfinite(g).all()
@@ -250,9 +265,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                       self._salt[p], state.step, self.stochastic, row0)
         return torch.where(ok, sq, 0.0), (~ok).float()
 
-    def _step_with_kernel(self, w, g, slots, args, sharded=False):
-        """The fused kernel's rule and store on an existing gradient. A non-finite tile is
-        skipped and counted tile by tile, as in a fused layer."""
+    def _step_with_kernel(self, p, w, g, slots, args, stats=None, sharded=False):
+        """The fused kernel's rule and store on an existing gradient, its sums added into
+        ``stats`` (default: a new pair). A non-finite tile is skipped and counted tile by
+        tile, as in a fused layer."""
         if w.dim() != 2:  # norms and biases: one row; an FSDP2 shard of one: a column, so that
             # the launch's first row (the shard's offset) gives each element its whole-tensor index
             if any(isinstance(s, QuantisedSlot) for s in slots) or not w.is_contiguous():
@@ -260,9 +276,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
             shape = (-1, 1) if sharded else (1, -1)
             w, g = w.view(shape), g.reshape(shape)
             slots = [None if s is None else s.view(shape) for s in slots]
-        stats = torch.zeros(2, dtype=torch.float32, device=w.device)
-        launch_rule_step(g, w.data, slots, args, stats, self.rule.name, self.stochastic)
+        if stats is None:
+            stats = torch.zeros(2, dtype=torch.float32, device=w.device)
+        self._launch_for(p, w.data, slots)(g, g, args, stats)
         return stats[0], stats[1]
+
+    def _launch_for(self, p, w, slots) -> BoundLaunch:
+        """``p``'s bound rule pass (kernels/bound_launch.py), made again when its weight or a
+        state slot moved (a load, an allocation, ``model.to``)."""
+        key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype,
+               *(None if s is None else (s.codes.data_ptr(), s.meta.data_ptr()) if isinstance(s, QuantisedSlot)
+                 else (s.data_ptr(), s.dtype) for s in slots))
+        bound = self._launches.get(p)
+        if bound is None or bound[0] != key:
+            bound = self._launches[p] = (key, BoundLaunch(w, slots, self.rule.name, self.stochastic, grad_given=True))
+        return bound[1]
 
     def pop_nonfinite_tiles(self) -> int:
         """Tiles skipped for a non-finite gradient since the last call."""

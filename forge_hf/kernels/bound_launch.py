@@ -1,0 +1,73 @@
+"""fused_update.py's kernel launched again and again for one tensor whose weight and state
+slots stay where they are: the validation, pointers, grid and constexprs of
+fused_launch_arguments are prepared at a call whose arguments Triton specialises in a new way,
+and every later call puts only its own tensors (tokens or gradient, arguments, statistics)
+into the prepared list and launches the kernel compiled for it. Building the arguments and
+Triton's dispatch took about 150 us of host time a launch; a step launches one per stepped
+tensor.
+"""
+
+from __future__ import annotations
+
+from .compiled import launch_compiled
+
+# Positions in fused_launch_arguments' list: x, dy, the fixed weight/state/metadata
+# pointers, args, stats, T, then (N, K, KB) fixed, the four token strides, the two weight strides.
+_FIXED = slice(2, 9)
+_SHAPE = slice(12, 15)
+_WEIGHT_STRIDES = slice(19, 21)
+
+
+def _int_spec(v: int) -> int:
+    """What Triton specialises an integer argument on: 1, a multiple of 16, or neither."""
+    return 1 if v == 1 else 2 if v % 16 == 0 else 0
+
+
+class BoundLaunch:
+    """``launch(x, dy, args, stats)`` for one (N, K) ``weight`` and its three state slots
+    (QuantisedSlots, tensors or None), which must stay where they are: rebind when a state is
+    allocated or loaded. ``grad_given``: x is the (N, K) gradient (dy is ignored), the
+    rule's pass over an existing gradient (two-pass path, non-fused tensors)."""
+
+    def __init__(self, weight, slots, rule_name: str, stochastic: bool, grad_given: bool = False):
+        self.weight, self.slots = weight, list(slots)
+        self.rule_name, self.stochastic, self.grad_given = rule_name, stochastic, grad_given
+        from . import fused_update  # here, not at import: Triton's import is slow (dispatch.py)
+
+        self._kernels = fused_update
+        # per specialisation of the changing arguments: (grid, fixed pointers, constexprs,
+        # options, launch again or None under the interpreter)
+        self._variants: dict = {}
+
+    def __call__(self, x, dy, args, stats) -> None:
+        if self.grad_given:
+            dy = x
+        fused_update = self._kernels
+        n, k = self.weight.shape
+        t = 0 if self.grad_given else x.shape[0]
+        config = fused_update.default_config(n, k, t)
+        sx, sdy = x.stride(), dy.stride()
+        key = (config["blocks"], x.dtype, dy.dtype, x.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0,
+               args.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0, _int_spec(t),
+               _int_spec(sx[0]), _int_spec(sx[1]), _int_spec(sdy[0]), _int_spec(sdy[1]))
+        variant = self._variants.get(key)
+        if variant is None:  # checked and compiled once per variant, through the ordinary path
+            grid, positional, constexprs = fused_update.fused_launch_arguments(
+                x, dy, self.weight, self.slots, args, stats, self.rule_name, self.stochastic, config["blocks"],
+                grad_given=self.grad_given)
+            options = fused_update.compile_options(config)
+            again = None
+            if not fused_update.INTERPRETER:
+                again = launch_compiled(fused_update.fused_update_kernel, grid, positional, constexprs, options)
+            # the fixed part only: the tokens, args and stats of this call must not be kept alive
+            fixed = (positional[_FIXED], positional[_SHAPE], positional[_WEIGHT_STRIDES])
+            self._variants[key] = (grid, fixed, constexprs, options, again)
+            if again is not None:
+                return
+            variant = self._variants[key]
+        grid, (pointers, shape, weight_strides), constexprs, options, again = variant
+        positional = [x, dy, *pointers, args, stats, t, *shape, sx[0], sx[1], sdy[0], sdy[1], *weight_strides]
+        if again is None:  # the interpreter: the same arguments through the JIT
+            fused_update.fused_update_kernel[grid](*positional, **constexprs, **options)
+        else:
+            again(grid, positional)
