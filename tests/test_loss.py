@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from helpers import bf16_ulps_apart
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.loss.loss_utils import ForCausalLMLoss
 
-from forge_hf.nn.loss import ChunkedCrossEntropy, causal_lm_loss, cross_entropy
+from forge_hf.nn import loss as loss_module
+from forge_hf.nn.loss import ChunkedCrossEntropy, causal_lm_loss, cross_entropy, shifted_cross_entropy
 
 N, V = 10, 37
 
@@ -170,3 +172,67 @@ def test_forward_and_backward_keep_one_fp32_block_of_rows_alive():
     ref = logits.clone().requires_grad_()
     F.cross_entropy(ref.float(), targets, ignore_index=-100).backward()
     assert bf16_ulps_apart(x.grad, ref.grad).max() <= 1
+
+
+# ------------------------------------------- Hugging Face's ForCausalLMLoss, num_items_in_batch
+
+B, T = 2, 9  # 18 positions, 12 of them with a target after the shift
+
+
+def _causal_logits_labels(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    labels[0, :3] = -100  # a prompt
+    labels[1, -2:] = -100  # padding
+    return logits, labels
+
+
+# the Trainer's divisors: none (the mean), an int, its count as a long tensor, and that count
+# divided by a parallel size (a float tensor); 30 is not the batch's own 12, as when the count
+# covers accumulated micro-batches or other ranks
+NUM_ITEMS = {"none": None, "int": 30, "long_tensor": torch.tensor(30), "float_tensor": torch.tensor(30.0)}
+
+
+def _both(logits, labels, num_items):
+    ours = logits.clone().requires_grad_()
+    loss = shifted_cross_entropy(ours, labels, num_items_in_batch=num_items)
+    loss.backward()
+    theirs = logits.clone().requires_grad_()
+    hf_loss = ForCausalLMLoss(theirs, labels, vocab_size=V, num_items_in_batch=num_items)
+    hf_loss.backward()
+    return loss, ours.grad, hf_loss, theirs.grad
+
+
+@pytest.mark.parametrize("num_items", NUM_ITEMS.values(), ids=NUM_ITEMS.keys())
+def test_shifted_cross_entropy_is_for_causal_lm_loss_fp32(num_items, monkeypatch):
+    """fp32 logits, blocks of 4 rows (a partial last one): the loss within 1e-6 (relative)
+    and the logits' gradient within 1e-6 of its largest entry (fp32 summation order)."""
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 4 * V)
+    loss, grad, hf_loss, hf_grad = _both(*_causal_logits_labels(torch.float32), num_items)
+    assert loss.dtype == hf_loss.dtype == torch.float32
+    assert abs(loss.item() - hf_loss.item()) <= 1e-6 * abs(hf_loss.item())
+    assert (grad - hf_grad).abs().max() <= 1e-6 * hf_grad.abs().max()
+    assert torch.all(grad[:, -1] == 0) and torch.all(grad[0, :2] == 0)  # no target there
+    if num_items is not None:  # the sum over the 12 targets divided by 30, not their mean
+        mean = ForCausalLMLoss(*_causal_logits_labels(torch.float32), vocab_size=V)
+        assert loss.item() == pytest.approx(mean.item() * 12 / 30, rel=1e-6)
+
+
+@pytest.mark.parametrize("num_items", NUM_ITEMS.values(), ids=NUM_ITEMS.keys())
+def test_shifted_cross_entropy_is_for_causal_lm_loss_bf16(num_items, monkeypatch):
+    """bf16 logits: the loss within 1e-6 (relative), the gradient (bf16) within one bf16 step."""
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 4 * V)
+    loss, grad, hf_loss, hf_grad = _both(*_causal_logits_labels(torch.bfloat16, seed=1), num_items)
+    assert grad.dtype == torch.bfloat16
+    assert abs(loss.item() - hf_loss.item()) <= 1e-6 * abs(hf_loss.item())
+    assert bf16_ulps_apart(grad, hf_grad).max() <= 1
+
+
+@pytest.mark.parametrize("num_items", NUM_ITEMS.values(), ids=NUM_ITEMS.keys())
+def test_without_grad_the_loss_is_for_causal_lm_loss_bit_for_bit(num_items):
+    """Evaluation takes torch's cross-entropy on the fp32 logits, as Hugging Face does."""
+    logits, labels = _causal_logits_labels(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(shifted_cross_entropy(logits, labels, num_items),
+                           ForCausalLMLoss(logits, labels, vocab_size=V, num_items_in_batch=num_items))

@@ -96,6 +96,7 @@ def test_unknown_key(tmp_path):
     ("data_files", "one.jsonl", "a list"),
     ("lr_scheduler_type", "cosinus", "'cosine'"),
     ("forge_rounding", "up", "'stochastic'"),
+    ("forge_lean_loss", "maybe", "true or false"),
 ])
 def test_wrong_type(tmp_path, key, value, expected):
     raises(write_recipe(tmp_path, **{key: value}), f"key '{key}'", repr(value), expected)
@@ -264,6 +265,29 @@ def test_command_line_overrides_win(tmp_path):
     options = forge_options(recipe.training)
     assert options.patch["include"] == ["q_proj", "v_proj"] and options.stop_on_nonfinite
     assert options.recompute_swiglu and "recompute_swiglu" not in options.patch
+
+
+def test_forge_lean_loss_reaches_optim_args(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, forge_lean_loss=True))
+    options = forge_options(recipe.training)
+    assert options.lean_loss and "lean_loss" not in options.patch
+    assert "lean_loss=True" in recipe.training.optim_args.split(",")
+    assert forge_options(load_recipe(write_recipe(tmp_path), ["--forge_lean_loss", "true"]).training).lean_loss
+    assert not forge_options(load_recipe(write_recipe(tmp_path)).training).lean_loss  # unset: off
+
+
+def test_forge_lean_loss_refusals(tmp_path):
+    """Liger's fused linear cross-entropy (the CPT recipes') and label smoothing, in the file
+    or inside optim_args; Liger's other kernels without its loss are fine."""
+    raises(write_recipe(tmp_path, forge_lean_loss=True, use_liger_kernel=True),
+           "forge_lean_loss=true with use_liger_kernel=True", "drop lean_loss", "'fused_linear_cross_entropy': False")
+    raises(write_recipe(tmp_path, optim_args="lean_loss=true", use_liger_kernel=True),
+           "optim_args lean_loss=true with use_liger_kernel=True")
+    raises(write_recipe(tmp_path, forge_lean_loss=True, label_smoothing_factor=0.1),
+           "forge_lean_loss=true with label_smoothing_factor=0.1")
+    recipe = load_recipe(write_recipe(tmp_path, forge_lean_loss=True, use_liger_kernel=True,
+                                      liger_kernel_config={"fused_linear_cross_entropy": False}))
+    assert forge_options(recipe.training).lean_loss
 
 
 @pytest.mark.parametrize("overrides,fragment", [

@@ -19,6 +19,7 @@ from transformers.training_args import OptimizerNames
 from transformers.utils import logging
 
 from ..core.rules import RULES, Rule
+from ..nn.loss import shifted_cross_entropy
 from ..nn.swiglu import recompute_swiglu
 from ..optim.distributed import MODES, enable_data_parallel
 from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
@@ -36,7 +37,7 @@ OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_n
 # how their text is read; patch_model's defaults apply to those not given.
 OPTION_TYPES = dict(state_precision=str, rounding=str, backend=str, include=list, exclude=list,
                     min_params=int, stop_on_nonfinite=bool, data_parallel=str, recompute_swiglu=bool,
-                    cuda_graph=str)
+                    cuda_graph=str, lean_loss=bool)
 
 
 def rule_name(optim) -> str | None:
@@ -104,6 +105,7 @@ class ForgeOptions:
     data_parallel: str = "sharded"  # several processes: forge_hf.distributed's mode
     recompute_swiglu: bool = False  # forge_hf.recompute_swiglu after patching
     cuda_graph: str = "auto"  # integrations/cuda_graph.py: capture and replay each step
+    lean_loss: bool = False  # the loss by nn/loss.py's chunked cross-entropy (lean_causal_lm_loss)
 
 
 def _convert(key: str, text: str, kind: type):
@@ -164,7 +166,8 @@ def forge_options(args) -> ForgeOptions:
         raise ValueError(f"optim_args data_parallel={mode!r} is not a mode: use one of {list(MODES)}")
     recompute = options.pop("recompute_swiglu", False)
     graph = check_cuda_graph_mode(options.pop("cuda_graph", "auto"))
-    return ForgeOptions(name, hyperparameters, options, stop, mode, recompute, graph)
+    lean = options.pop("lean_loss", False)
+    return ForgeOptions(name, hyperparameters, options, stop, mode, recompute, graph, lean)
 
 
 # ------------------------------------------------------------------ guards
@@ -255,6 +258,61 @@ def check_training_arguments(args, accelerator=None) -> None:
         )
 
 
+def check_lean_loss(args, compute_loss_func=None, accelerator=None, option="optim_args lean_loss=true") -> None:
+    """Refuse, naming the value and the fix, what lean_loss=true cannot do (``option``: how
+    the setting is named to the user)."""
+    if compute_loss_func is not None:
+        name = getattr(compute_loss_func, "__qualname__", type(compute_loss_func).__name__)
+        raise ValueError(
+            f"{option} with compute_loss_func={name}: lean_loss is itself the Trainer's "
+            "compute_loss_func (Hugging Face's causal-LM loss without an fp32 copy of the logits), so yours "
+            "would be replaced: drop lean_loss to train with your compute_loss_func, or drop compute_loss_func"
+        )
+    config = getattr(args, "liger_kernel_config", None) or {}
+    if getattr(args, "use_liger_kernel", False) and config.get("fused_linear_cross_entropy", True):
+        # Liger's lce_forward computes the loss from the hidden states and lm_head.weight and
+        # never builds the logits; with the labels taken out of the model's inputs (as a
+        # compute_loss_func takes them) it builds them again, and patch_model leaves lm_head
+        # unfused for Liger: more memory than Liger's loss alone
+        raise ValueError(
+            f"{option} with use_liger_kernel=True: Liger's fused linear cross-entropy replaces "
+            "the model's loss and never builds the logits, so the two losses exclude each other: drop lean_loss "
+            "(Liger's loss keeps no logits at all), or keep lean_loss and turn Liger's loss off with "
+            "liger_kernel_config={'fused_linear_cross_entropy': False} (its other kernels stay) or "
+            "use_liger_kernel=False"
+        )
+    smoothing = getattr(args, "label_smoothing_factor", 0)
+    if smoothing:
+        raise ValueError(
+            f"{option} with label_smoothing_factor={smoothing}: the lean loss is the plain "
+            "cross-entropy, and the Trainer smooths no loss that a compute_loss_func computes: set "
+            "label_smoothing_factor=0 or drop lean_loss"
+        )
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
+        raise ValueError(
+            f"{option} with context or sequence parallelism (accelerate's parallelism_config): "
+            "each rank holds a slice of the sequence, whose labels the lean loss would shift within the slice "
+            "(the model's loss reads shift_labels cut from whole sequences): drop lean_loss"
+        )
+
+
+def lean_causal_lm_loss(outputs, labels, num_items_in_batch=None) -> torch.Tensor:
+    """ForgeTrainer's ``compute_loss_func`` under optim_args lean_loss=true: Hugging Face's
+    ForCausalLMLoss (labels shifted inside, -100 ignored, the sum divided by
+    ``num_items_in_batch`` when the Trainer passes it, else the mean) from the model's
+    logits, by nn/loss.py's chunked cross-entropy: no fp32 copy of the logits, and their
+    gradient written over them. Nothing is read back to the host, so a CUDA graph captures it."""
+    if labels is None:
+        raise ValueError(
+            "optim_args lean_loss=true computes the loss from the batch's 'labels', and this batch has none: "
+            "give each batch labels (input_ids for causal-LM pretraining, e.g. "
+            "DataCollatorForLanguageModeling(tokenizer, mlm=False)), or drop lean_loss"
+        )
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    return shifted_cross_entropy(logits, labels, num_items_in_batch)
+
+
 def unwrap_forge_optimizer(optimizer) -> ForgeOptimizer | None:
     """The ForgeOptimizer inside accelerate's (or any) optimizer wrapper."""
     while optimizer is not None and not isinstance(optimizer, ForgeOptimizer):
@@ -280,7 +338,10 @@ class ForgeTrainerMixin:
     Several processes: forge's data parallelism (optim/distributed.py) under DDP, or, under
     accelerate's FSDP2, the fused layers step their FSDP2 row shards (optim/fsdp.py) and
     checkpoints carry forge's optimizer states, whole or sharded by the plugin's state_dict_type.
-    FSDP1 and DeepSpeed are refused."""
+    FSDP1 and DeepSpeed are refused.
+
+    ``optim_args="lean_loss=true"`` computes the training and eval loss by forge's chunked
+    cross-entropy (lean_causal_lm_loss), set as the Trainer's compute_loss_func."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -295,6 +356,15 @@ class ForgeTrainerMixin:
             self.forge_options = forge_options(self.args)
         self.forge_report = None
         check_training_arguments(self.args, self.accelerator)
+        if self.forge_options is not None and self.forge_options.lean_loss:
+            check_lean_loss(self.args, self.compute_loss_func, self.accelerator)
+            # Trainer's own hook, rather than a compute_loss override: Trainer.compute_loss then
+            # takes the labels out of the model's inputs (the model builds only the logits),
+            # passes num_items_in_batch and scales for average_tokens_across_devices exactly as it
+            # does for the model's loss, returns the outputs for prediction_step, and runs inside
+            # the CUDA-graph capture (cuda_graph.py calls compute_loss); a subclass's own
+            # compute_loss (TRL's) calls the hook too, where an override would bypass it.
+            self.compute_loss_func = lean_causal_lm_loss
         graph_mode = self.forge_options.cuda_graph if self.forge_options else "auto"
         if self.forge_fsdp2 and self.optimizer is not None:
             # its states and shard layouts are keyed by the unsharded parameters, which FSDP2 replaces

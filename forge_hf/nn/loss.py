@@ -21,13 +21,16 @@ CHUNK_ELEMENTS = 1 << 24  # fp32 temporaries of one block of rows: 64 MiB
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``logits`` (N, V) against ``targets`` (N,) over the rows whose
-    target is not ``ignore_index``; the logits' gradient replaces the logits."""
+    target is not ``ignore_index`` or, given ``num_items_in_batch``, their sum divided by it;
+    the logits' gradient replaces the logits."""
 
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, chunk_rows):
+    def forward(ctx, logits, targets, ignore_index, chunk_rows, num_items_in_batch=None):
         valid = targets != ignore_index
         safe = torch.where(valid, targets, 0)
-        count = valid.sum().clamp_min(1)  # stays on the device
+        count = _divisor(num_items_in_batch, logits.device)
+        if count is None:
+            count = valid.sum().clamp_min(1)  # stays on the device
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         picked = torch.empty_like(lse)
         for r0 in range(0, logits.shape[0], chunk_rows):
@@ -36,8 +39,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             lse[rows] = torch.logsumexp(block, dim=-1)
             picked[rows] = block.gather(1, safe[rows, None]).squeeze(1)
             del block  # before the next block is made, not after
-        ctx.save_for_backward(logits, safe, valid, lse, count)
-        ctx.chunk_rows = chunk_rows
+        counted = torch.is_tensor(count)  # else a Python number, kept as it is
+        ctx.save_for_backward(logits, safe, valid, lse, *([count] if counted else []))
+        ctx.chunk_rows, ctx.number = chunk_rows, None if counted else count
         return torch.where(valid, lse - picked, 0.0).sum() / count
 
     @staticmethod
@@ -47,8 +51,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                                "first backward wrote the gradient over the logits: use "
                                "torch.nn.functional.cross_entropy to differentiate the loss more than once")
         ctx.logits_overwritten = True
-        logits, safe, valid, lse, count = ctx.saved_tensors
-        scale = torch.where(valid, grad / count, 0.0)
+        logits, safe, valid, lse, *count = ctx.saved_tensors
+        scale = torch.where(valid, grad / (count[0] if count else ctx.number), 0.0)
         for r0 in range(0, logits.shape[0], ctx.chunk_rows):
             rows = slice(r0, r0 + ctx.chunk_rows)
             # in place: one fp32 block alive, not three (0.12 GiB at a Llama-3 step's peak,
@@ -58,19 +62,50 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             block *= scale[rows, None]
             logits[rows] = block
             del block
-        return logits, None, None, None
+        return logits, None, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def _divisor(num_items_in_batch, device):
+    """Hugging Face's divisor of a summed loss (transformers' fixed_cross_entropy): a tensor
+    is moved to the loss's device (no copy, no host read, when it is there already), a
+    number is used as it is; None: none given."""
+    if torch.is_tensor(num_items_in_batch):
+        return num_items_in_batch.to(device)
+    return num_items_in_batch
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                  num_items_in_batch: torch.Tensor | int | float | None = None) -> torch.Tensor:
     """``F.cross_entropy(logits.float(), targets, ignore_index=...)`` (mean) for 2-D logits,
-    without the fp32 copy; the logits are overwritten by their gradient in backward."""
+    without the fp32 copy; the logits are overwritten by their gradient in backward.
+
+    Given ``num_items_in_batch`` (the Trainer's count of targets over a whole, possibly
+    accumulated or gathered, batch: an int or a tensor), the loss is Hugging Face's
+    ``reduction="sum"`` divided by it instead, as transformers' ``ForCausalLMLoss`` computes
+    it; a tensor stays on the device. (With gradients, the mean of a batch whose every target
+    is ignored is 0 here, where torch's is nan; a sum divided by a zero count is nan in both.)"""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits of shape {tuple(logits.shape)} and targets of shape {tuple(targets.shape)}: "
                          "expected (tokens, vocabulary) and (tokens,)")
     if not torch.is_grad_enabled() or not logits.requires_grad:
-        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+        if num_items_in_batch is None:
+            return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+        total = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+        return total / _divisor(num_items_in_batch, total.device)
     chunk_rows = max(1, CHUNK_ELEMENTS // max(logits.shape[1], 1))
-    return ChunkedCrossEntropy.apply(logits, targets, ignore_index, chunk_rows)
+    return ChunkedCrossEntropy.apply(logits, targets, ignore_index, chunk_rows, num_items_in_batch)
+
+
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                          num_items_in_batch: torch.Tensor | int | float | None = None,
+                          ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Hugging Face's causal-LM loss from a model's ``logits`` (..., V) and the batch's
+    ``labels`` (...): each position predicts the next label, the last predicts nothing, -100
+    is ignored, and ``num_items_in_batch`` divides the sum as in ``ForCausalLMLoss``; by
+    ``cross_entropy`` above, so the logits are overwritten by their gradient in backward."""
+    targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device),
+                         ignore_index, num_items_in_batch)
 
 
 def _capturing() -> bool:
@@ -90,6 +125,4 @@ def causal_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
         # cannot while capturing, and builds a 4-D causal mask; SDPA's masked path then keeps
         # the expanded keys and values (+0.2 GiB at that peak).
         inputs.setdefault("use_cache", False)
-    logits = model(**inputs).logits
-    targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
-    return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device))
+    return shifted_cross_entropy(model(**inputs).logits, batch["labels"])

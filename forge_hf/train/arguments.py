@@ -117,6 +117,11 @@ class ForgeArguments:
         default=None, metadata={"help": "Capture each training step as a CUDA graph and replay it (less host "
                                         "overhead): auto (where the step can be captured), true (refuse to "
                                         "train otherwise) or false; unset: auto."})
+    forge_lean_loss: bool | None = field(
+        default=None, metadata={"help": "Compute the loss by forge's chunked cross-entropy: Hugging "
+                                        "Face's causal-LM loss without its fp32 copy of the logits and their "
+                                        "gradient (less memory at large vocabularies); not with Liger's fused "
+                                        "linear cross-entropy (use_liger_kernel); unset: false."})
 
     def options(self) -> dict:
         """The set options, under patch_model's names (state_precision, rounding, ...)."""

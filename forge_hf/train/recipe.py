@@ -39,6 +39,7 @@ from ..integrations.trainer import (  # registers the forge_* optim names
     OPTION_TYPES,
     PREFIX,
     ForgeOptions,
+    check_lean_loss,
     check_training_arguments,
     forge_options,
     rule_name,
@@ -392,6 +393,11 @@ def _check_forge_options(o: ForgeOptions, forge: ForgeArguments, t: TrainingArgu
     if missing:
         fail(f"{key('backend')}='triton' needs Triton and a CUDA GPU, but {missing}: use auto (Triton "
              "where it can run, else the reference backend) or reference")
+    if o.lean_loss:
+        try:
+            check_lean_loss(t, option=f"{key('lean_loss')}=true")
+        except ValueError as e:
+            fail(str(e))
     if o.cuda_graph == "true":
         uncapturable = _uncapturable(o, t)
         if uncapturable:
