@@ -17,7 +17,7 @@ Every arm: bf16 weights, SDPA attention, packed batches of random tokens, max_gr
 (forge cannot clip; the fused-AdamW arms do not clip either, their fastest setting), a
 callback that synchronises and times each step; the median over the steps after the warm-up,
 with the interquartile range, and the arm's peak allocated memory (statistics reset, caches
-emptied between arms). Each arm's row goes to the results table (results_table.py) as the
+emptied between arms), with the timed steps' own peak in the note and every step's in the log. Each arm's row goes to the results table (results_table.py) as the
 arm ends.
 
     python benchmarks/trainer_bench.py --models llama-3.1-8b --batches 1x512 --arms adamw_fused,forge
@@ -56,14 +56,21 @@ class StepClock:
         class Clock(TrainerCallback):
             def __init__(self):
                 self.times: list[float] = []
+                self.peaks: list[float] = []  # GiB, each step's own peak
+                self.before = 0.0  # GiB, the peak before the first step (the model, the Trainer's set-up)
+
+            def on_train_begin(self, args, state, control, **kw):
+                self.before = torch.cuda.max_memory_allocated() / 2**30
 
             def on_step_begin(self, args, state, control, **kw):
                 torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
                 self._t = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kw):
                 torch.cuda.synchronize()
                 self.times.append((time.perf_counter() - self._t) * 1e3)
+                self.peaks.append(torch.cuda.max_memory_allocated() / 2**30)
 
         return Clock()
 
@@ -138,13 +145,17 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
         trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock])
         trainer.train()
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = max(clock.before, *clock.peaks, torch.cuda.max_memory_allocated() / 2**30)
+        print(f"{arm}: peak GiB before the steps {clock.before:.2f}, step by step "
+              f"{' '.join(f'{p:.2f}' for p in clock.peaks)}", flush=True)
         graphed = bool(getattr(getattr(trainer, "forge_graph", None), "step", None)
                        and trainer.forge_graph.step.graph is not None)
     timed = clock.times[warmup:]
     q = statistics.quantiles(timed, n=4) if len(timed) >= 4 else [min(timed), 0, max(timed)]
     del trainer, model
-    note = f"{len(timed)} steps after {warmup}; IQR" + (f"; graphed={graphed}" if forge else "") + \
+    steady = max(clock.peaks[warmup:])
+    note = f"{len(timed)} steps after {warmup}; IQR; timed steps' peak {steady:.2f} GiB" + \
+        (f"; graphed={graphed}" if forge else "") + \
         ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
         (f"; {forge_options}" if forge and forge_options else "")
     return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
