@@ -17,13 +17,16 @@ Every arm: bf16 weights, SDPA attention, packed batches of random tokens, max_gr
 (forge cannot clip; the fused-AdamW arms do not clip either, their fastest setting), a
 callback that synchronises and times each step; the median over the steps after the warm-up,
 with the interquartile range, and the arm's peak allocated memory (statistics reset, caches
-emptied between arms), with the timed steps' own peak in the note and every step's in the log. Each arm's row goes to the results table (results_table.py) as the
-arm ends.
+emptied between arms; the timed steps' own peak in the note, every step's in the log). A
+captured step allocates nothing while it replays, so its steps' peak is what stays allocated
+outside its pool: the capture's own peak is in the arm's. Each arm's row goes to the results
+table (results_table.py) as the arm ends.
 
     python benchmarks/trainer_bench.py --models llama-3.1-8b --batches 1x512 --arms adamw_fused,forge
     python benchmarks/trainer_bench.py --arms forge_compile --forge-options recompute_swiglu=true
 
---forge-options adds forge options (optim_args syntax) to every forge arm; the rows' note names them.
+--forge-options adds forge options (optim_args syntax) to every forge arm; --liger on gives every arm
+the recipes' Liger kernels (ForgeTrainer refuses them with torch_compile); the rows' note names both.
 """
 
 from __future__ import annotations
@@ -111,15 +114,21 @@ def world_of_one():
             os.environ.pop(k, None)
 
 
+# --liger on: the recipes' Liger kernels (RoPE, RMSNorm, SwiGLU; the loss stays the model's or lean_loss)
+LIGER = dict(use_liger_kernel=True, liger_kernel_config=dict(rope=True, rms_norm=True, swiglu=True,
+                                                             cross_entropy=False, fused_linear_cross_entropy=False))
+
+
 def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
-            forge_options: str = "") -> dict:
+            forge_options: str = "", liger: bool = False) -> dict:
     base, fsdp2 = arm.removesuffix("_fsdp2"), arm.endswith("_fsdp2")
     with world_of_one() if fsdp2 else contextlib.nullcontext():
-        return _run_arm(base, model_name, batch, length, steps, warmup, bf16 and not fsdp2, fsdp2, forge_options)
+        return _run_arm(base, model_name, batch, length, steps, warmup, bf16 and not fsdp2, fsdp2, forge_options,
+                        liger)
 
 
 def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
-             fsdp2: bool, forge_options: str) -> dict:
+             fsdp2: bool, forge_options: str, liger: bool) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import forge_hf
@@ -140,7 +149,7 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
             optim="forge_adamw" if forge else "adamw_torch_fused",
             optim_args=",".join(filter(None, (f"state_precision={state}",
                                               "cuda_graph=false" if base == "forge_eager" else "", forge_options)))
-            if forge else None, **fsdp)
+            if forge else None, **fsdp, **(LIGER if liger else {}))
         data = RandomTokens(batch * (warmup + steps), length, model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
         trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock])
@@ -157,6 +166,7 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
     note = f"{len(timed)} steps after {warmup}; IQR; timed steps' peak {steady:.2f} GiB" + \
         (f"; graphed={graphed}" if forge else "") + \
         ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
+        ("; Liger RoPE, RMSNorm, SwiGLU" if liger else "") + \
         (f"; {forge_options}" if forge and forge_options else "")
     return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
 
@@ -172,6 +182,8 @@ def main() -> None:
                    help="TrainingArguments.bf16 (autocast) for the arms without FSDP2")
     p.add_argument("--forge-options", default="", help="more forge options for the forge arms, as in optim_args "
                    "(e.g. recompute_swiglu=true)")
+    p.add_argument("--liger", choices=("on", "off"), default="off",
+                   help="every arm with the recipes' Liger kernels (RoPE, RMSNorm, SwiGLU; not its losses)")
     p.add_argument("--out", help="also write the rows as JSON here")
     add_table_option(p)
     opts = p.parse_args()
@@ -183,7 +195,7 @@ def main() -> None:
                 row = dict(model=model_name, batch=cell, arm=f"trainer_{arm}", tool="trainer_bench")
                 try:
                     row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup, opts.bf16 == "on",
-                                       opts.forge_options))
+                                       opts.forge_options, opts.liger == "on"))
                 except Exception as e:  # an arm that fails (out of memory, a compile error) is a row too
                     traceback.print_exc()
                     row.update(step_ms="", spread_ms="", peak_gib=torch.cuda.max_memory_allocated() / 2**30,
