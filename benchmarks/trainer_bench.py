@@ -26,7 +26,8 @@ table (results_table.py) as the arm ends.
     python benchmarks/trainer_bench.py --arms forge_compile --forge-options recompute_swiglu=true
 
 --forge-options adds forge options (optim_args syntax) to every forge arm; --liger on gives every arm
-the recipes' Liger kernels (ForgeTrainer refuses them with torch_compile); the rows' note names both.
+the recipes' Liger kernels (ForgeTrainer refuses them with torch_compile). The row's arm names both
+(trainer_forge+liger+recompute_swiglu), its note their values.
 """
 
 from __future__ import annotations
@@ -119,6 +120,15 @@ LIGER = dict(use_liger_kernel=True, liger_kernel_config=dict(rope=True, rms_norm
                                                              cross_entropy=False, fused_linear_cross_entropy=False))
 
 
+def arm_label(arm: str, forge_options: str, liger: bool) -> str:
+    """The row's arm: ``trainer_<arm>``, then ``+liger`` and ``+<key>`` for each forge option
+    given to a forge arm, so that the report keeps configurations apart."""
+    tags = ["liger"] if liger else []
+    if arm.startswith("forge"):
+        tags += [item.partition("=")[0].strip() for item in forge_options.split(",") if item.strip()]
+    return "+".join([f"trainer_{arm}", *tags])
+
+
 def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
             forge_options: str = "", liger: bool = False) -> dict:
     base, fsdp2 = arm.removesuffix("_fsdp2"), arm.endswith("_fsdp2")
@@ -192,7 +202,8 @@ def main() -> None:
         for cell in opts.batches.split(","):
             batch, length = map(int, cell.split("x"))
             for arm in opts.arms.split(","):
-                row = dict(model=model_name, batch=cell, arm=f"trainer_{arm}", tool="trainer_bench")
+                row = dict(model=model_name, batch=cell, arm=arm_label(arm, opts.forge_options, opts.liger == "on"),
+                           tool="trainer_bench")
                 try:
                     row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup, opts.bf16 == "on",
                                        opts.forge_options, opts.liger == "on"))
