@@ -85,3 +85,17 @@ def tiny_llama(vocab: int, hidden: int = 32, intermediate: int = 64, seed: int =
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False)
     return LlamaForCausalLM(config)
+
+
+def adamw_bf16_layer(precision="bf16", n=70, k=130, device="cpu"):
+    """A bf16 (n, k) weight with its allocated AdamW state of ``precision``: (weight,
+    ForgeState, rule, group), for launching the fused kernels directly."""
+    from forge_hf.core.rules import get_rule, make_group
+    from forge_hf.core.state import ForgeState
+
+    rule = get_rule("adamw")
+    group = make_group(rule, dict(lr=1e-2, weight_decay=0.1))
+    w = torch.linspace(-0.5, 0.5, n * k, device=device).view(n, k).to(torch.bfloat16)
+    state = ForgeState(rule, precision, transposed=False)
+    state.allocate(w, group)
+    return w, state, rule, group

@@ -8,23 +8,16 @@ import weakref
 
 import pytest
 import torch
-from helpers import exact_inputs
+from helpers import adamw_bf16_layer, exact_inputs
 
 from forge_hf.core.launch_args import pack_args
-from forge_hf.core.rules import get_rule, make_group
-from forge_hf.core.state import ForgeState
 from forge_hf.kernels.bound_launch import BoundLaunch
 from forge_hf.kernels.dispatch import launch_rule_step
 from forge_hf.kernels.fused_update import default_config, fused_launch_arguments, launch_fused_kernel
 
 
-def _layer(precision, device, n=70, k=130):
-    rule = get_rule("adamw")
-    group = make_group(rule, dict(lr=1e-2, weight_decay=0.1))
-    w = torch.linspace(-0.5, 0.5, n * k, device=device).view(n, k).to(torch.bfloat16)
-    state = ForgeState(rule, precision, transposed=False)
-    state.allocate(w, group)
-    return w, state, rule, group
+def _layer(precision, device):
+    return adamw_bf16_layer(precision, device=device)
 
 
 def _unbound(x, dy, w, slots, args, stats, grad_given=False):

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import interpreter_only
-from helpers import exact_inputs
+from helpers import adamw_bf16_layer, exact_inputs
 
 from forge_hf.core.launch_args import pack_args
-from forge_hf.core.rules import get_rule, make_group
-from forge_hf.core.state import ForgeState
 from forge_hf.kernels import dispatch
 from forge_hf.kernels.dispatch import (
     BACKENDS,
@@ -75,12 +73,7 @@ def test_triton_on_cpu_without_the_interpreter_is_refused_in_a_fresh_process():
 
 
 def _layer(precision="bf16", n=70, k=130, device=CPU):
-    rule = get_rule("adamw")
-    group = make_group(rule, dict(lr=1e-2, weight_decay=0.1))
-    w = torch.linspace(-0.5, 0.5, n * k, device=device).view(n, k).to(torch.bfloat16)
-    state = ForgeState(rule, precision, transposed=False)
-    state.allocate(w, group)
-    return w, state, rule, group
+    return adamw_bf16_layer(precision, n, k, device)
 
 
 def _steps(launch_for, precision, device=CPU, steps=2, n=70, k=130, tokens=33):
