@@ -332,15 +332,20 @@ def test_non_fused_step_in_chunks_is_bit_identical(precision):
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_non_fused_step_through_the_kernel_matches_the_pytorch_path(precision):
     """With the Triton backend the non-fused tensors (embeddings, norms) are stepped by the
-    fused kernel reading their gradient: same rule, same rounding, same bits."""
-    results = []
+    fused kernel reading their gradient: same rule, same rounding, same bits; and their
+    squared sums, which the kernel adds into one pair for all of them, give the same
+    gradient norm as the PyTorch path's sums tensor by tensor."""
+    results, first_norms = [], []
     for backend in ("reference", "triton"):
         model = patched(state_precision=precision, backend=backend).to(DEVICE, torch.bfloat16)
         opt = ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
         assert opt._kernel == (backend == "triton")
         for ids in batches(2):
             train_step(model, opt, ids.to(DEVICE))
+            if len(first_norms) < len(results) + 1:
+                first_norms.append(opt.last_grad_norm.item())  # the first step's: same weights, same gradients
         results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    assert first_norms[1] == pytest.approx(first_norms[0], rel=1e-5)
     for name, ref in results[0].items():
         got = results[1][name]
         if "embed" in name or "norm" in name:  # stepped by ForgeOptimizer
