@@ -9,18 +9,13 @@ tensor.
 
 from __future__ import annotations
 
-from .compiled import launch_compiled
+from .compiled import int_spec, launch_compiled, tensor_spec
 
 # Positions in fused_launch_arguments' list: x, dy, the fixed weight/state/metadata
 # pointers, args, stats, T, then (N, K, KB) fixed, the four token strides, the two weight strides.
 _FIXED = slice(2, 9)
 _SHAPE = slice(12, 15)
 _WEIGHT_STRIDES = slice(19, 21)
-
-
-def _int_spec(v: int) -> int:
-    """What Triton specialises an integer argument on: 1, a multiple of 16, or neither."""
-    return 1 if v == 1 else 2 if v % 16 == 0 else 0
 
 
 class BoundLaunch:
@@ -47,9 +42,8 @@ class BoundLaunch:
         t = 0 if self.grad_given else x.shape[0]
         config = fused_update.default_config(n, k, t)
         sx, sdy = x.stride(), dy.stride()
-        key = (config["blocks"], x.dtype, dy.dtype, x.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0,
-               args.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0, _int_spec(t),
-               _int_spec(sx[0]), _int_spec(sx[1]), _int_spec(sdy[0]), _int_spec(sdy[1]))
+        key = (config["blocks"], tensor_spec(x), tensor_spec(dy), tensor_spec(args), tensor_spec(stats),
+               int_spec(t), int_spec(sx[0]), int_spec(sx[1]), int_spec(sdy[0]), int_spec(sdy[1]))
         variant = self._variants.get(key)
         if variant is None:  # checked and compiled once per variant, through the ordinary path
             grid, positional, constexprs = fused_update.fused_launch_arguments(

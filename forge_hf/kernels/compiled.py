@@ -15,13 +15,23 @@ import torch
 _COMPILED: dict = {}
 
 
+def tensor_spec(t: torch.Tensor) -> tuple:
+    """What Triton specialises a tensor argument on: its dtype and 16-byte alignment."""
+    return (t.dtype, t.data_ptr() % 16 == 0)
+
+
+def int_spec(v: int) -> tuple[bool, bool]:
+    """What Triton specialises an integer argument on: whether it is 1, a multiple of 16."""
+    return (v == 1, v % 16 == 0)
+
+
 def _specialisation(positional: list) -> tuple:
     def spec(a):
         if isinstance(a, torch.Tensor):
-            return (a.dtype, a.data_ptr() % 16 == 0)
+            return tensor_spec(a)
         if hasattr(a, "block_shape"):  # a TMA tensor descriptor
             return ("descriptor", a.base.dtype, tuple(a.block_shape))
-        return (a == 1, a % 16 == 0)
+        return int_spec(a)
     return tuple(spec(a) for a in positional)
 
 

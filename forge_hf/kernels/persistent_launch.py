@@ -16,7 +16,7 @@ import triton
 
 from ..core import codecs
 from ..core.codecs import QuantisedSlot, storage_kind
-from .compiled import launch_compiled
+from .compiled import int_spec, launch_compiled, tensor_spec
 from .persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
 
 NUM_BUF = 5  # ring slots a lane: 4 -> 5 was 49.3 -> 48.1 ms; 6 does not fit shared memory
@@ -148,7 +148,7 @@ class PersistentLaunch:
         t = x.shape[0]
         positional = [self._token_descriptor(x), self._token_descriptor(dy), *self.fixed, args, stats,
                       self.n, self.k, t]
-        spec = (t == 1, t % 16 == 0, args.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
+        spec = (int_spec(t), tensor_spec(args), tensor_spec(stats))
         again = self._again.get(spec)
         if again is None:
             self._again[spec] = launch_compiled(persistent_update_kernel, self.grid, positional, self.constexprs,
