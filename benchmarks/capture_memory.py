@@ -35,19 +35,32 @@ def _site(frames) -> str:
 def live_at_peak(trace) -> tuple[int, dict]:
     """(bytes allocated at the trace's peak, {site: bytes alive then}) of the events
     recorded; blocks allocated before recording are not in the trace."""
-    live, now, best, best_live = {}, 0, -1, {}
-    for e in trace:
-        if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], _site(e.get("frames")))
-            now += e["size"]
-            if now > best:
-                best, best_live = now, dict(live)
-        elif e["action"] in ("free_requested",) and e["addr"] in live:
-            now -= live.pop(e["addr"])[0]
-    sites = collections.Counter()
-    for size, site in best_live.values():
-        sites[site] += size
-    return best, dict(sites.most_common(25))
+    (peak,) = peaks_by_step(trace, [len(trace)], tag=False)
+    return peak
+
+
+def peaks_by_step(trace, ends, tag: bool = True) -> list[tuple[int, dict]]:
+    """For each step, the events from the previous index of ``ends`` to its own: (bytes
+    allocated at the step's peak, counted from the trace's start, {site: bytes alive then}),
+    each site prefixed with the step that allocated it (``step 0: ...``) when ``tag``."""
+    live, now, start, peaks = {}, 0, 0, []
+    for step, end in enumerate(ends):
+        best, best_live = now, dict(live)
+        for e in trace[start:end]:
+            if e["action"] == "alloc":
+                site = _site(e.get("frames"))
+                live[e["addr"]] = (e["size"], f"step {step}: {site}" if tag else site)
+                now += e["size"]
+                if now > best:
+                    best, best_live = now, dict(live)
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                now -= live.pop(e["addr"])[0]
+        sites = collections.Counter()
+        for size, site in best_live.values():
+            sites[site] += size
+        peaks.append((best, dict(sites.most_common(25))))
+        start = end
+    return peaks
 
 
 def recorded(fn):

@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
 import json
 import os
+import pstats
+import re
 import socket
 import statistics
 import tempfile
@@ -52,9 +55,11 @@ ARMS = ("adamw_fused", "adamw_fused_compile", "forge_eager", "forge", "forge_com
 
 
 class StepClock:
-    """A TrainerCallback (built lazily: transformers is imported in main) timing each step."""
+    """A TrainerCallback (built lazily: transformers is imported in main) timing each step;
+    with ``memory_steps`` it also records the allocator's history over the first steps (what is
+    alive at each one's peak), with ``profile_from`` it profiles the GPU's kernels from that step on."""
 
-    def __new__(cls):
+    def __new__(cls, memory_steps: int = 0, profile_from: int | None = None):
         from transformers import TrainerCallback
 
         class Clock(TrainerCallback):
@@ -62,12 +67,24 @@ class StepClock:
                 self.times: list[float] = []
                 self.peaks: list[float] = []  # GiB, each step's own peak
                 self.before = 0.0  # GiB, the peak before the first step (the model, the Trainer's set-up)
+                self.memory: dict | None = None  # memory_steps: what is alive at each step's peak
+                self.profile = None  # profile_from: the torch.profiler of the steps from then on
+                self.host = None  # and a cProfile of their host time
+                self._ends: list[int] = []  # memory_steps: the trace's length at each step's end
 
             def on_train_begin(self, args, state, control, **kw):
                 self.before = torch.cuda.max_memory_allocated() / 2**30
+                if memory_steps:
+                    self._base = torch.cuda.memory_allocated()
+                    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
 
             def on_step_begin(self, args, state, control, **kw):
                 torch.cuda.synchronize()
+                if profile_from is not None and len(self.times) == profile_from:
+                    self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    self.host = cProfile.Profile()
+                    self.profile.start()
+                    self.host.enable()
                 torch.cuda.reset_peak_memory_stats()
                 self._t = time.perf_counter()
 
@@ -75,8 +92,54 @@ class StepClock:
                 torch.cuda.synchronize()
                 self.times.append((time.perf_counter() - self._t) * 1e3)
                 self.peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+                if len(self.times) <= memory_steps:
+                    self._ends.append(len(_device_trace()))
+                    if len(self.times) == memory_steps:
+                        self.memory = _alive_at_peaks(_device_trace(), self._ends, self._base)
+                        torch.cuda.memory._record_memory_history(enabled=None)
+
+            def on_train_end(self, args, state, control, **kw):
+                if self.profile is not None:
+                    self.host.disable()
+                    torch.cuda.synchronize()
+                    self.profile.stop()
 
         return Clock()
+
+
+def _device_trace() -> list:
+    return torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+
+
+def _alive_at_peaks(trace: list, ends: list[int], base: int) -> list[dict]:
+    """Each recorded step's peak and the allocation sites alive then, named by the step that
+    made them; the bytes allocated before the first step are ``before_steps_gib``."""
+    from capture_memory import peaks_by_step
+
+    return [dict(step=i, peak_gib=(base + extra) / 2**30, before_steps_gib=base / 2**30,
+                 sites_mib={k: round(v / 2**20, 1) for k, v in sites.items()})
+            for i, (extra, sites) in enumerate(peaks_by_step(trace, ends))]
+
+
+def host_table(profile, steps: int, top: int = 40) -> list[dict]:
+    """The profiled steps' Python functions by their cumulative host time (cProfile's
+    accounting, which inflates Python against C): ms a step, own and cumulative."""
+    stats = pstats.Stats(profile).stats
+    rows = [dict(function=f"{path.split('site-packages/')[-1]}:{line} {name}", cum_ms_per_step=cum * 1e3 / steps,
+                 own_ms_per_step=own * 1e3 / steps, calls_per_step=calls / steps)
+            for (path, line, name), (_, calls, own, cum, _) in stats.items()]
+    rows.sort(key=lambda r: -r["cum_ms_per_step"])
+    return rows[:top]
+
+
+def kernel_table(profile, steps: int, top: int = 40) -> list[dict]:
+    """The profiled steps' GPU kernels by their total time: ms a step and calls a step."""
+    rows = [dict(kernel=e.key[:160], ms_per_step=e.device_time_total / 1e3 / steps, calls_per_step=e.count / steps)
+            for e in profile.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    total = sum(r["ms_per_step"] for r in rows)
+    return [dict(kernel="(all kernels)", ms_per_step=total, calls_per_step=sum(r["calls_per_step"] for r in rows)),
+            *rows[:top]]
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -130,15 +193,18 @@ def arm_label(arm: str, forge_options: str, liger: bool) -> str:
 
 
 def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
-            forge_options: str = "", liger: bool = False) -> dict:
+            forge_options: str = "", liger: bool = False, memory_steps: int = 0, profile_steps: int = 0,
+            details: dict | None = None) -> dict:
+    """The arm's row; ``details`` (when given) receives what memory_steps and profile_steps found."""
     base, fsdp2 = arm.removesuffix("_fsdp2"), arm.endswith("_fsdp2")
     with world_of_one() if fsdp2 else contextlib.nullcontext():
         return _run_arm(base, model_name, batch, length, steps, warmup, bf16 and not fsdp2, fsdp2, forge_options,
-                        liger)
+                        liger, memory_steps, profile_steps, {} if details is None else details)
 
 
 def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
-             fsdp2: bool, forge_options: str, liger: bool) -> dict:
+             fsdp2: bool, forge_options: str, liger: bool, memory_steps: int, profile_steps: int,
+             details: dict) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import forge_hf
@@ -148,19 +214,19 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
     forge = base.startswith("forge")
     torch.cuda.reset_peak_memory_stats()  # here: an arm that fails reports its own peak, not the last arm's
     model = build_model(model_name)
-    clock = StepClock()
+    clock = StepClock(memory_steps, warmup + steps if profile_steps else None)
     fsdp = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": model._no_split_modules}
                 ) if fsdp2 else {}
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=2e-5,
-            lr_scheduler_type="constant", max_grad_norm=0.0, bf16=bf16, logging_steps=10_000, save_strategy="no",
-            report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"), seed=0,
-            optim="forge_adamw" if forge else "adamw_torch_fused",
+            output_dir=out, per_device_train_batch_size=batch, max_steps=warmup + steps + profile_steps,
+            learning_rate=2e-5, lr_scheduler_type="constant", max_grad_norm=0.0, bf16=bf16, logging_steps=10_000,
+            save_strategy="no", report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"),
+            seed=0, optim="forge_adamw" if forge else "adamw_torch_fused",
             optim_args=",".join(filter(None, (f"state_precision={state}",
                                               "cuda_graph=false" if base == "forge_eager" else "", forge_options)))
             if forge else None, **fsdp, **(LIGER if liger else {}))
-        data = RandomTokens(batch * (warmup + steps), length, model.config.vocab_size)
+        data = RandomTokens(batch * (warmup + steps + profile_steps), length, model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
         trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock])
         trainer.train()
@@ -169,16 +235,34 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
               f"{' '.join(f'{p:.2f}' for p in clock.peaks)}", flush=True)
         graphed = bool(getattr(getattr(trainer, "forge_graph", None), "step", None)
                        and trainer.forge_graph.step.graph is not None)
-    timed = clock.times[warmup:]
+    timed = clock.times[warmup:warmup + steps]  # the profiled steps after them are not timed
+    if clock.memory is not None:
+        details["memory"] = clock.memory
+    if clock.profile is not None:
+        details["kernels"] = kernel_table(clock.profile, profile_steps)
+        details["host"] = host_table(clock.host, profile_steps)
     q = statistics.quantiles(timed, n=4) if len(timed) >= 4 else [min(timed), 0, max(timed)]
     del trainer, model
-    steady = max(clock.peaks[warmup:])
+    steady = max(clock.peaks[warmup:warmup + steps])
     note = f"{len(timed)} steps after {warmup}; IQR; timed steps' peak {steady:.2f} GiB" + \
         (f"; graphed={graphed}" if forge else "") + \
         ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
         ("; Liger RoPE, RMSNorm, SwiGLU" if liger else "") + \
         (f"; {forge_options}" if forge and forge_options else "")
     return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
+
+
+def write_details(folder: str, row: dict, details: dict) -> None:
+    os.makedirs(folder, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", f"{row['model']}_{row['batch']}_{row['arm']}")
+    path = os.path.join(folder, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({**row, **details}, f, indent=1)
+    for kernel in details.get("kernels", [])[:12]:
+        print(f"  {kernel['ms_per_step']:8.2f} ms {kernel['calls_per_step']:7.1f}x  {kernel['kernel'][:100]}")
+    for function in details.get("host", [])[:25]:
+        print(f"  {function['cum_ms_per_step']:8.2f} ms cum {function['own_ms_per_step']:7.2f} own "
+              f"{function['calls_per_step']:7.1f}x  {function['function'][:100]}")
 
 
 def main() -> None:
@@ -194,9 +278,17 @@ def main() -> None:
                    "(e.g. recompute_swiglu=true)")
     p.add_argument("--liger", choices=("on", "off"), default="off",
                    help="every arm with the recipes' Liger kernels (RoPE, RMSNorm, SwiGLU; not its losses)")
+    p.add_argument("--memory-steps", type=int, default=0, help="record the allocator's history over this many "
+                   "first steps of each arm: what is alive at each one's peak, by the step and site that allocated it")
+    p.add_argument("--profile-steps", type=int, default=0, help="this many more steps after the timed ones, under "
+                   "torch.profiler: each arm's GPU kernels by time a step")
+    p.add_argument("--details-dir", help="where --memory-steps and --profile-steps write an arm's JSON "
+                   "(MODEL_BATCH_ARM.json, the arm's + as -)")
     p.add_argument("--out", help="also write the rows as JSON here")
     add_table_option(p)
     opts = p.parse_args()
+    if (opts.memory_steps or opts.profile_steps) and not opts.details_dir:
+        p.error("--memory-steps and --profile-steps write their findings to --details-dir: give one")
     rows = []
     for model_name in opts.models.split(","):
         for cell in opts.batches.split(","):
@@ -204,14 +296,18 @@ def main() -> None:
             for arm in opts.arms.split(","):
                 row = dict(model=model_name, batch=cell, arm=arm_label(arm, opts.forge_options, opts.liger == "on"),
                            tool="trainer_bench")
+                details: dict = {}
                 try:
                     row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup, opts.bf16 == "on",
-                                       opts.forge_options, opts.liger == "on"))
+                                       opts.forge_options, opts.liger == "on", opts.memory_steps,
+                                       opts.profile_steps, details))
                 except Exception as e:  # an arm that fails (out of memory, a compile error) is a row too
                     traceback.print_exc()
                     row.update(step_ms="", spread_ms="", peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                                note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                 print(json.dumps(row), flush=True)
+                if details:
+                    write_details(opts.details_dir, row, details)
                 append_rows([row], opts.table)  # each arm as it ends: a later arm may run out of time
                 rows.append(row)
                 gc.collect()

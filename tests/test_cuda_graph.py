@@ -45,37 +45,59 @@ def test_auto_on_a_cpu_trains_eagerly_without_a_warning(tmp_path):
 
 
 class _StandInStep:
-    """GraphedStep's counting without a GPU: warm-up calls, then the call that captures."""
+    """GraphedStep's counting without a GPU: warm-up calls, then the call that captures;
+    ``stale``: the replays refuse, as after a checkpoint was loaded."""
 
     def __init__(self, model, optimizer, loss_fn, warmup_steps):
         self.model, self.optimizer, self.warmup_steps = model, optimizer, warmup_steps
-        self.graph, self.calls, self.addresses = None, 0, ()
+        self.graph, self.calls, self.stale = None, 0, False
 
     def __call__(self, inputs):
+        from forge_hf.optim.graphs import StaleGraph
+
+        if self.graph is not None and self.stale:
+            raise StaleGraph("replaced since the capture")
         if self.calls >= self.warmup_steps:
             self.graph = "captured"
         self.calls += 1
         return torch.zeros(())
 
 
-def _drive_graph(lengths, monkeypatch):
-    """TrainerGraph('auto') over batches of these lengths, GraphedStep stood in for and the
-    model taken to be on a GPU: the graph state and the warnings."""
+def _stand_in_graph(monkeypatch):
+    """TrainerGraph('auto') with GraphedStep stood in for and the model taken to be on a GPU,
+    and a function running one step on a batch of a given length (its loss, or None: eager)."""
     from forge_hf.integrations import cuda_graph
 
     monkeypatch.setattr(cuda_graph, "GraphedStep", _StandInStep)
-    monkeypatch.setattr(cuda_graph, "captured_addresses", lambda model, optimizer: ())
     on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
     model = types.SimpleNamespace(parameters=lambda: iter([on_gpu]), train=lambda: None)
     optimizer = types.SimpleNamespace(last_grad_norm=None, skip_next_step=lambda: None)
     trainer = types.SimpleNamespace(forge_optimizer=optimizer, _prepare_inputs=lambda inputs: inputs)
     graph = cuda_graph.TrainerGraph("auto")
     monkeypatch.setattr(graph, "_static_reason", lambda trainer, model: None)
+    return graph, lambda n: graph.run(trainer, model, {"input_ids": torch.zeros(1, n, dtype=torch.long)}, None)
+
+
+def _drive_graph(lengths, monkeypatch):
+    """The graph state and the warnings after batches of these lengths."""
+    graph, run = _stand_in_graph(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in lengths:
-            graph.run(trainer, model, {"input_ids": torch.zeros(1, n, dtype=torch.long)}, None)
+            run(n)
     return graph, [str(w.message) for w in caught]
+
+
+def test_a_replay_refused_as_stale_is_captured_again(monkeypatch):
+    """After a checkpoint is loaded the replay refuses before it runs: that step runs
+    eagerly, and the next batches of the shape warm up and capture a new step."""
+    graph, run = _stand_in_graph(monkeypatch)
+    assert [run(7) is None for _ in range(3)] == [True, False, False]  # eager, a warm-up through the step, capture
+    first = graph.step
+    first.stale = True
+    assert run(7) is None and graph.step is None and graph.off is None
+    assert [run(7) is None for _ in range(2)] == [False, False]  # a warm-up through the new step, then its capture
+    assert graph.step is not first and graph.step.graph == "captured"
 
 
 def test_batches_of_one_shape_three_in_a_row_are_captured(monkeypatch):

@@ -14,7 +14,8 @@ import forge_hf
 from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.nn.loss import causal_lm_loss
-from forge_hf.optim.graphs import GraphedStep, captured_addresses, check_batch
+from forge_hf.optim.graphs import CapturedAddresses, GraphedStep, check_batch
+from forge_hf.optim.optimizer import fused_layers
 
 VOCAB, SEQ = 96, 24
 
@@ -90,12 +91,30 @@ def test_the_captured_addresses_change_when_a_checkpoint_is_loaded(single_thread
         opt.zero_grad(set_to_none=True)
 
     train_step()
-    before = captured_addresses(model, opt)
+    addresses = CapturedAddresses(model, opt)
+    before = addresses.captured
     train_step()
-    assert captured_addresses(model, opt) == before  # a step writes in place
+    assert not addresses.moved()  # a step writes in place
     opt.load_state_dict(opt.state_dict())
-    after = captured_addresses(model, opt)
+    assert addresses.moved()
+    after = addresses.read()
     assert after[0] != before[0] and after[1] != before[1]
+
+
+def test_the_captured_addresses_change_when_a_parameter_or_its_data_is_replaced(single_thread):
+    model, opt = patched("cpu")
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    causal_lm_loss(model, dict(input_ids=ids, labels=ids)).backward()
+    opt.step()
+    layer = next(iter(fused_layers(model).values()))
+    norm = model.model.norm
+    for replace in (lambda: setattr(norm.weight, "data", norm.weight.data.clone()),  # model.to() moves data
+                    lambda: setattr(norm, "weight", nn.Parameter(norm.weight.detach().clone())),
+                    lambda: setattr(layer, "forge_stats", layer.forge_stats.clone())):
+        addresses = CapturedAddresses(model, opt)
+        assert not addresses.moved()
+        replace()
+        assert addresses.moved()
 
 
 # ------------------------------------------------------------------------ GPU

@@ -140,6 +140,25 @@ def test_the_table_holds_the_eager_arguments_step_after_step(rule_name):
         assert [s.host for s in captured] == [s.host for s in eager]
 
 
+def test_table_rows_of_other_groups_and_step_counts_keep_their_own_arguments():
+    """A refresh prepares once per rule, group and host state: rows that differ in any of
+    them (a no-decay group, a state loaded at another step) still get their own words."""
+    rule = get_rule("nadam")
+    groups = [make_group(rule, dict(lr=1e-3, weight_decay=0.1)), make_group(rule, dict(lr=1e-3, weight_decay=0.0))]
+    eager, captured = _states(rule, 6), _states(rule, 6)
+    for i, s in enumerate(eager + captured):
+        s.host["step"] = (i % 6) // 2  # steps 0, 0, 1, 1, 2, 2
+    table = ArgsTable(capacity=6, device="cpu")
+    with table.recording():
+        rows = [next_launch_args(rule, groups[i % 2], s, salt=i, device="cpu", row0=i) for i, s in enumerate(captured)]
+    for _ in range(3):
+        table.refresh()
+        for i, (s, row) in enumerate(zip(eager, rows)):
+            assert torch.equal(row, next_launch_args(rule, groups[i % 2], s, salt=i, device="cpu", row0=i)), i
+        assert [s.host for s in captured] == [s.host for s in eager]
+    assert len({tuple(r.tolist()) for r in rows}) == 6
+
+
 def test_a_bad_hyperparameter_at_refresh_moves_no_counter():
     rule = get_rule("adamw")
     good, bad = make_group(rule, dict(lr=1e-3)), make_group(rule, dict(lr=1e-3))

@@ -28,3 +28,22 @@ def test_an_arm_is_named_by_its_options(trainer_bench):
     # forge options do not reach the fused-AdamW arms; Liger does
     assert label("adamw_fused", "recompute_swiglu=true", True) == "trainer_adamw_fused+liger"
     assert label("adamw_fused_compile", "lean_loss=true", False) == "trainer_adamw_fused_compile"
+
+
+def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_bench):
+    from capture_memory import peaks_by_step
+
+    frames = [{"filename": "/venv/site-packages/forge_hf/nn/linear.py", "line": 1, "name": "forward"}]
+    trace = [
+        dict(action="alloc", addr=1, size=100, frames=frames),  # step 0: kept into step 1
+        dict(action="alloc", addr=2, size=50, frames=frames),
+        dict(action="free_requested", addr=2),
+        dict(action="alloc", addr=3, size=30, frames=frames),  # step 1
+        dict(action="free_requested", addr=3),
+        dict(action="free_requested", addr=1),
+    ]
+    (peak0, sites0), (peak1, sites1), (peak2, sites2) = peaks_by_step(trace, [3, 6, 6])
+    assert peak0 == 150 and sites0 == {"step 0: forge_hf/nn/linear.py:1 forward": 150}
+    assert peak1 == 130 and sites1 == {"step 0: forge_hf/nn/linear.py:1 forward": 100,
+                                       "step 1: forge_hf/nn/linear.py:1 forward": 30}
+    assert peak2 == 0 and sites2 == {}  # a step that allocates nothing peaks at what it started with

@@ -145,7 +145,9 @@ class ArgsTable:
         pinned = torch.device(device).type == "cuda"
         self._host = torch.zeros(capacity, ROW_STRIDE, dtype=torch.int32, pin_memory=pinned)
         self.device_rows = self._device[:, :ARGS_LEN]  # what the kernels read
+        self._words = self._host.numpy()
         self.entries: list[tuple] = []
+        self._static_rows = 0  # rows whose salt and first-row words are written
         self._copied = None  # the event after the last copy out of the host table
 
     def add(self, rule, group, state, salt, row0) -> torch.Tensor:
@@ -171,12 +173,22 @@ class ArgsTable:
             _recording = None
 
     def refresh(self) -> None:
-        """One step's host work for every row, in captured order, then one copy to the device."""
-        before = [dict(state.host) for _, _, state, _, _ in self.entries]
-        words = []
+        """One step's host work for every row, in captured order, then one copy to the device.
+        Rows of one rule, param group and host state (a step count shared by most tensors)
+        get one ``prepare`` between them, and each state a copy of its result; the salt and
+        first-row words never change and are written at the first refresh."""
+        before = [state.host for _, _, state, _, _ in self.entries]  # replaced below, never mutated
+        prepared: dict[tuple, tuple[dict, list[int], list[int]]] = {}  # key -> (host, words, rows)
         try:
-            for rule, group, state, salt, row0 in self.entries:
-                words.extend(args_words(rule.prepare(group, state.host), state.step, salt, row0))
+            for i, (rule, group, state, _, _) in enumerate(self.entries):
+                key = (id(rule), id(group), *state.host.items())
+                hit = prepared.get(key)
+                if hit is None:
+                    host = dict(state.host)
+                    scalars = rule.prepare(group, host)
+                    hit = prepared[key] = (host, args_words(scalars, host["step"], 0)[:NUM_SCALARS + 1], [])
+                state.host = dict(hit[0])
+                hit[2].append(i)
         except Exception:  # a bad hyperparameter: no counter moves, the step is not run
             for (_, _, state, _, _), host in zip(self.entries, before):
                 state.host = host
@@ -184,7 +196,12 @@ class ArgsTable:
         n = len(self.entries)
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has left the host table: it may be overwritten
-        self._host[:n, :ARGS_LEN] = torch.tensor(words, dtype=torch.int32).view(n, ARGS_LEN)
+        if self._static_rows < n:
+            self._words[:n, NUM_SCALARS + 1:ARGS_LEN] = [(_int32(salt), _int32(row0))
+                                                         for _, _, _, salt, row0 in self.entries]
+            self._static_rows = n
+        for _, words, rows in prepared.values():
+            self._words[rows, :NUM_SCALARS + 1] = words  # the constants and the step count
         self._device[:n].copy_(self._host[:n], non_blocking=True)  # whole rows: one contiguous copy
         if self.device_rows.is_cuda:
             self._copied = torch.cuda.Event()

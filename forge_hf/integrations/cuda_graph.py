@@ -25,7 +25,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..optim.graphs import GraphedStep, captured_addresses
+from ..optim.graphs import GraphedStep, StaleGraph
 
 MODES = ("auto", "true", "false")
 STABLE_STEPS = 3  # batches of one shape in a row before a capture: two eager warm-ups, then capture
@@ -137,12 +137,11 @@ class TrainerGraph:
                 return None
             self.step = GraphedStep(_forward_module(model), trainer.forge_optimizer,
                                     loss_fn=self._loss_fn(trainer, model), warmup_steps=1)
-        elif self.step.graph is not None and \
-                captured_addresses(self.step.model, self.step.optimizer) != self.step.addresses:
-            # a checkpoint was loaded into the optimizer (or the model moved): capture again
+        try:
+            loss = self._through_graph(trainer, inputs)
+        except StaleGraph:  # a checkpoint was loaded into the optimizer (or the model moved): capture again
             self.step, self.grad_norm, self.same_shapes = None, None, 1
             return None
-        loss = self._through_graph(trainer, inputs)
         if self.step is not None and self.step.graph is not None:
             self.waiting = 0  # captured: STABLE_STEPS batches of one shape came in a row
         return loss

@@ -61,19 +61,37 @@ def check_batch(captured: dict, batch: dict) -> None:
                 "batch to one shape (a fixed sequence length, drop_last=True), or train eagerly")
 
 
-def captured_addresses(model: nn.Module, optimizer: ForgeOptimizer) -> tuple:
+class StaleGraph(RuntimeError):
+    """A replay refused before it ran: what the graph writes was replaced since its capture."""
+
+
+class CapturedAddresses:
     """What a captured step reads and writes outside its own memory pool, by address: the
     parameters, every optimizer-state tensor and the fused layers' statistics; and the
-    param-group dicts its argument table reads. A replay is only valid while these stay."""
-    ptrs = [p.data_ptr() for p in model.parameters()]
-    for state in optimizer.state.values():
-        for slot in state.slots:
-            if isinstance(slot, QuantisedSlot):
-                ptrs += [slot.codes.data_ptr(), slot.meta.data_ptr()]
-            else:
-                ptrs.append(0 if slot is None else slot.data_ptr())
-    ptrs += [m.forge_stats.data_ptr() for m in fused_layers(model).values()]
-    return tuple(ptrs), tuple(id(g) for g in optimizer.param_groups)
+    param-group dicts its argument table reads. A replay is only valid while these stay.
+    ``moved()`` reads them again before every replay, so the module tree is walked once, here:
+    each check reads the parameters through their modules' own dicts (a replaced Parameter
+    is seen, as is one whose data moved)."""
+
+    def __init__(self, model: nn.Module, optimizer: ForgeOptimizer):
+        self._params = [(m._parameters, name) for m in model.modules() for name in m._parameters]
+        self._fused = list(fused_layers(model).values())
+        self._optimizer = optimizer
+        self.captured = self.read()
+
+    def read(self) -> tuple:
+        ptrs = [0 if (p := params.get(name)) is None else p.data_ptr() for params, name in self._params]
+        for state in self._optimizer.state.values():
+            for slot in state.slots:
+                if isinstance(slot, QuantisedSlot):
+                    ptrs += [slot.codes.data_ptr(), slot.meta.data_ptr()]
+                else:
+                    ptrs.append(0 if slot is None else slot.data_ptr())
+        ptrs += [m.forge_stats.data_ptr() for m in self._fused]
+        return tuple(ptrs), tuple(id(g) for g in self._optimizer.param_groups)
+
+    def moved(self) -> bool:
+        return self.read() != self.captured
 
 
 @functools.cache
@@ -134,7 +152,7 @@ class GraphedStep:
         self.table: ArgsTable | None = None
         self.inputs: dict = {}
         self.loss: torch.Tensor | None = None
-        self.addresses: tuple = ()
+        self.addresses: CapturedAddresses | None = None  # set by the capture
         self._device = device
 
     def __call__(self, batch: dict) -> torch.Tensor:
@@ -143,8 +161,8 @@ class GraphedStep:
         else:
             if self.graph is None:
                 self._capture(batch)
-            elif captured_addresses(self.model, self.optimizer) != self.addresses:
-                raise RuntimeError(
+            elif self.addresses.moved():
+                raise StaleGraph(
                     "the model's parameters, the optimizer's state tensors or its param groups were replaced "
                     "since the step was captured (optimizer.load_state_dict, model.to, ...): the graph would "
                     "write to memory they no longer own. Build a new GraphedStep after loading or moving.")
@@ -194,4 +212,4 @@ class GraphedStep:
             with table.recording(), torch.cuda.graph(graph, capture_error_mode=mode):
                 self.loss = self._step(self.inputs)
         self.graph, self.table = graph, table
-        self.addresses = captured_addresses(self.model, self.optimizer)
+        self.addresses = CapturedAddresses(self.model, self.optimizer)

@@ -131,8 +131,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         Needed again whenever the group dicts are replaced (load_state_dict does)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p in self._layers:
-                    self._layers[p].forge_group = group
+                layer = self._layers.get(p)
+                if layer is not None and layer.forge_group is not group:  # a module's setattr costs: once
+                    layer.forge_group = group
 
     def params(self) -> list[torch.Tensor]:
         """Every parameter, in state_dict's numbering (param_groups' order)."""
