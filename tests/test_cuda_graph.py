@@ -70,11 +70,13 @@ def _stand_in_graph(monkeypatch):
 
     monkeypatch.setattr(cuda_graph, "GraphedStep", _StandInStep)
     on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
-    model = types.SimpleNamespace(parameters=lambda: iter([on_gpu]), train=lambda: None)
+    model = types.SimpleNamespace(parameters=lambda: iter([on_gpu]), training=True, trained=0)
+    model.train = lambda: setattr(model, "training", True) or setattr(model, "trained", model.trained + 1)
     optimizer = types.SimpleNamespace(last_grad_norm=None, skip_next_step=lambda: None)
     trainer = types.SimpleNamespace(forge_optimizer=optimizer, _prepare_inputs=lambda inputs: inputs)
     graph = cuda_graph.TrainerGraph("auto")
     monkeypatch.setattr(graph, "_static_reason", lambda trainer, model: None)
+    graph.model = model
     return graph, lambda n: graph.run(trainer, model, {"input_ids": torch.zeros(1, n, dtype=torch.long)}, None)
 
 
@@ -86,6 +88,17 @@ def _drive_graph(lengths, monkeypatch):
         for n in lengths:
             run(n)
     return graph, [str(w.message) for w in caught]
+
+
+def test_a_model_already_training_is_not_switched_again(monkeypatch):
+    """train() walks every module: only a model an evaluation switched off gets it."""
+    graph, run = _stand_in_graph(monkeypatch)
+    for _ in range(4):
+        run(7)
+    assert graph.model.trained == 0
+    graph.model.training = False  # the Trainer's evaluate() ran
+    run(7)
+    assert graph.model.training and graph.model.trained == 1
 
 
 def test_a_replay_refused_as_stale_is_captured_again(monkeypatch):

@@ -12,8 +12,10 @@ from test_trainer import step_logs, training_args
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainingArguments
 
+from forge_hf.integrations import lean_loss as lean_loss_module
 from forge_hf.integrations import trainer as trainer_module
-from forge_hf.integrations.trainer import ForgeTrainer, check_lean_loss, forge_options, lean_causal_lm_loss
+from forge_hf.integrations.lean_loss import check_lean_loss, lean_causal_lm_loss
+from forge_hf.integrations.trainer import ForgeTrainer, forge_options
 from forge_hf.nn import loss as loss_module
 
 VOCAB = 97  # no multiple of any tile: lm_head's rows end in a partial tile
@@ -82,13 +84,13 @@ def spy_divisors(monkeypatch):
 
     monkeypatch.setattr(loss_module, "ChunkedCrossEntropy", Counted)
     seen.chunked = Counted
-    shifted = trainer_module.shifted_cross_entropy
+    shifted = lean_loss_module.shifted_cross_entropy
 
     def spy(logits, labels, num_items_in_batch=None):
         seen.append(num_items_in_batch)
         return shifted(logits, labels, num_items_in_batch)
 
-    monkeypatch.setattr(trainer_module, "shifted_cross_entropy", spy)
+    monkeypatch.setattr(lean_loss_module, "shifted_cross_entropy", spy)
     return seen
 
 
@@ -256,3 +258,30 @@ def test_lean_loss_is_captured_and_follows_the_eager_model_loss(tmp_path):
     eager = run(tmp_path / "e", "state_precision=bf16,min_params=0,cuda_graph=false")
     assert graphed.forge_graph.step.graph is not None and graphed.compute_loss_func is lean_causal_lm_loss
     assert_trains_alike(graphed, eager, start)
+
+
+class LogitDtypes(ForgeTrainer):
+    """Records the dtype of the logits each call of the loss gets."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logit_dtypes, loss_func = [], self.compute_loss_func
+        self.compute_loss_func = lambda outputs, labels, **kw: self.logit_dtypes.append(outputs["logits"].dtype) \
+            or loss_func(outputs, labels, **kw)
+
+
+def test_under_bf16_mixed_precision_the_logits_stay_bf16_and_train_alike(tmp_path, monkeypatch, single_thread):
+    """accelerate's mixed precision returns the model's outputs in fp32, an fp32 copy of the
+    logits: lean_loss takes that conversion off (autocast stays) and its loss, which upcasts
+    each chunk itself, is the same to the bit, in training and evaluation."""
+    kept = train(tmp_path / "kept", True, trainer_cls=LogitDtypes, bf16=True, eval_strategy="steps", eval_steps=2)
+    monkeypatch.setattr(trainer_module, "keep_logits_in_model_dtype", lambda model: None)
+    plain = train(tmp_path / "plain", True, trainer_cls=LogitDtypes, bf16=True, eval_strategy="steps", eval_steps=2)
+    assert len(kept.logit_dtypes) > STEPS and set(kept.logit_dtypes) == {torch.bfloat16}
+    assert set(plain.logit_dtypes) == {torch.float32}
+    assert [log["loss"] for log in step_logs(kept)] == [log["loss"] for log in step_logs(plain)]
+    evals = [[log["eval_loss"] for log in t.state.log_history if "eval_loss" in log] for t in (kept, plain)]
+    assert len(evals[0]) == 2 and evals[0] == evals[1]
+    plain_module = torch.nn.Linear(2, 2)
+    lean_loss_module.keep_logits_in_model_dtype(plain_module)  # no accelerate wrapper: nothing to take off
+    assert "forward" not in plain_module.__dict__

@@ -19,14 +19,14 @@ from transformers.training_args import OptimizerNames
 from transformers.utils import logging
 
 from ..core.rules import RULES, Rule
-from ..nn.loss import shifted_cross_entropy
 from ..nn.swiglu import recompute_swiglu
 from ..optim.distributed import MODES, enable_data_parallel
 from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from ..optim.optimizer import ForgeOptimizer, fused_layers
 from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, PatchReport, patch_model
-from .cuda_graph import TrainerGraph
+from .cuda_graph import TrainerGraph, skip_packing_check
 from .cuda_graph import check_mode as check_cuda_graph_mode
+from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
 
 logger = logging.get_logger(__name__)
 
@@ -258,61 +258,6 @@ def check_training_arguments(args, accelerator=None) -> None:
         )
 
 
-def check_lean_loss(args, compute_loss_func=None, accelerator=None, option="optim_args lean_loss=true") -> None:
-    """Refuse, naming the value and the fix, what lean_loss=true cannot do (``option``: how
-    the setting is named to the user)."""
-    if compute_loss_func is not None:
-        name = getattr(compute_loss_func, "__qualname__", type(compute_loss_func).__name__)
-        raise ValueError(
-            f"{option} with compute_loss_func={name}: lean_loss is itself the Trainer's "
-            "compute_loss_func (Hugging Face's causal-LM loss without an fp32 copy of the logits), so yours "
-            "would be replaced: drop lean_loss to train with your compute_loss_func, or drop compute_loss_func"
-        )
-    config = getattr(args, "liger_kernel_config", None) or {}
-    if getattr(args, "use_liger_kernel", False) and config.get("fused_linear_cross_entropy", True):
-        # Liger's lce_forward computes the loss from the hidden states and lm_head.weight and
-        # never builds the logits; with the labels taken out of the model's inputs (as a
-        # compute_loss_func takes them) it builds them again, and patch_model leaves lm_head
-        # unfused for Liger: more memory than Liger's loss alone
-        raise ValueError(
-            f"{option} with use_liger_kernel=True: Liger's fused linear cross-entropy replaces "
-            "the model's loss and never builds the logits, so the two losses exclude each other: drop lean_loss "
-            "(Liger's loss keeps no logits at all), or keep lean_loss and turn Liger's loss off with "
-            "liger_kernel_config={'fused_linear_cross_entropy': False} (its other kernels stay) or "
-            "use_liger_kernel=False"
-        )
-    smoothing = getattr(args, "label_smoothing_factor", 0)
-    if smoothing:
-        raise ValueError(
-            f"{option} with label_smoothing_factor={smoothing}: the lean loss is the plain "
-            "cross-entropy, and the Trainer smooths no loss that a compute_loss_func computes: set "
-            "label_smoothing_factor=0 or drop lean_loss"
-        )
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
-        raise ValueError(
-            f"{option} with context or sequence parallelism (accelerate's parallelism_config): "
-            "each rank holds a slice of the sequence, whose labels the lean loss would shift within the slice "
-            "(the model's loss reads shift_labels cut from whole sequences): drop lean_loss"
-        )
-
-
-def lean_causal_lm_loss(outputs, labels, num_items_in_batch=None) -> torch.Tensor:
-    """ForgeTrainer's ``compute_loss_func`` under optim_args lean_loss=true: Hugging Face's
-    ForCausalLMLoss (labels shifted inside, -100 ignored, the sum divided by
-    ``num_items_in_batch`` when the Trainer passes it, else the mean) from the model's
-    logits, by nn/loss.py's chunked cross-entropy: no fp32 copy of the logits, and their
-    gradient written over them. Nothing is read back to the host, so a CUDA graph captures it."""
-    if labels is None:
-        raise ValueError(
-            "optim_args lean_loss=true computes the loss from the batch's 'labels', and this batch has none: "
-            "give each batch labels (input_ids for causal-LM pretraining, e.g. "
-            "DataCollatorForLanguageModeling(tokenizer, mlm=False)), or drop lean_loss"
-        )
-    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-    return shifted_cross_entropy(logits, labels, num_items_in_batch)
-
-
 def unwrap_forge_optimizer(optimizer) -> ForgeOptimizer | None:
     """The ForgeOptimizer inside accelerate's (or any) optimizer wrapper."""
     while optimizer is not None and not isinstance(optimizer, ForgeOptimizer):
@@ -527,10 +472,37 @@ class ForgeTrainerMixin:
         optimizer = self.forge_optimizer
         if optimizer is not None:
             optimizer.link_layers()
+        if self.forge_options is not None and self.forge_options.lean_loss:
+            keep_logits_in_model_dtype(self.model)  # after accelerate's prepare, before the first forward
         loss = self.forge_graph.run(self, model, inputs, num_items_in_batch)
         if loss is not None:
             return loss
+        if self.forge_graph.off is None:  # eager steps before a capture: the same model call as captured
+            inputs = skip_packing_check(model, inputs)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self.forge_options is not None and self.forge_options.lean_loss:
+            keep_logits_in_model_dtype(self.model)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # The Trainer's norm of the gradients it sees, taken every step (the fused weights have
+        # none): host and GPU work for nothing, as log() reports the optimizer's own norm.
+        if self.forge_optimizer is not None:
+            return None
+        return super()._get_grad_norm(model, grad_norm)
+
+    def floating_point_ops(self, inputs) -> int:
+        # The Trainer counts the model's parameters again at every step (a walk over all its
+        # modules, milliseconds on a big model): counted once here, same formula.
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if name not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        counted = self.__dict__.get("_forge_flops_params")
+        if counted is None or counted[0] is not self.model:
+            counted = self._forge_flops_params = (self.model, self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[name].numel() * counted[1]
 
     def log(self, logs: dict, *args, **kwargs):
         optimizer = self.forge_optimizer

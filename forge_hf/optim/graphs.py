@@ -203,6 +203,10 @@ class GraphedStep:
         self.optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self._device)
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            # the eager steps' streams keep a cuBLAS workspace each (64 MiB on Hopper), idle while
+            # the graph replays on its own: freed here, allocated again should an eager step come
+            torch._C._cuda_clearCublasWorkspaces()
         # Data parallel: NCCL's watchdog thread may still query events of the warm-up's
         # collectives, which a process-wide capture mode would forbid.
         mode = "thread_local" if self.data_parallel else "global"

@@ -34,12 +34,12 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..core.rules import get_rule, make_group
 from ..core.state import check_rounding, check_state_precision
+from ..integrations.lean_loss import check_lean_loss
 from ..integrations.trainer import (  # registers the forge_* optim names
     OPTIMIZER_NAMES,
     OPTION_TYPES,
     PREFIX,
     ForgeOptions,
-    check_lean_loss,
     check_training_arguments,
     forge_options,
     rule_name,
