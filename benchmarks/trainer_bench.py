@@ -238,9 +238,11 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
     timed = clock.times[warmup:warmup + steps]  # the profiled steps after them are not timed
     if clock.memory is not None:
         details["memory"] = clock.memory
+    after_profile = _profiled_arms > 0
     if clock.profile is not None:
         details["kernels"] = kernel_table(clock.profile, profile_steps)
         details["host"] = host_table(clock.host, profile_steps)
+        _count_profiled_arm()
     q = statistics.quantiles(timed, n=4) if len(timed) >= 4 else [min(timed), 0, max(timed)]
     del trainer, model
     steady = max(clock.peaks[warmup:warmup + steps])
@@ -248,8 +250,18 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
         (f"; graphed={graphed}" if forge else "") + \
         ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
         ("; Liger RoPE, RMSNorm, SwiGLU" if liger else "") + \
-        (f"; {forge_options}" if forge and forge_options else "")
+        (f"; {forge_options}" if forge and forge_options else "") + \
+        ("; after a profiled arm in this process (its launches may carry the profiler's overhead)"
+         if after_profile else "")
     return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
+
+
+_profiled_arms = 0  # arms of this process run under torch.profiler: CUPTI stays loaded after it stops
+
+
+def _count_profiled_arm() -> None:
+    global _profiled_arms
+    _profiled_arms += 1
 
 
 def write_details(folder: str, row: dict, details: dict) -> None:
