@@ -50,5 +50,14 @@ def test_the_packing_check_is_spared_only_for_positions_the_model_numbers_itself
     packed = {"input_ids": ids, "position_ids": torch.arange(SEQ).remainder(5).expand(2, SEQ)}
     assert skip_packing_check(model, packed) == packed  # may be packed: transformers must look
     assert skip_packing_check(torch.nn.Linear(2, 2), {"x": ids}) == {"x": ids}  # no cache to ask for
+    assert skip_packing_check(torch.compile(model), {"input_ids": ids}) == spared  # the compiled model's own forward
+
+    class NoCacheArgument(torch.nn.Module):  # a config with use_cache, a forward that does not name it
+        config = model.config
+
+        def forward(self, input_ids, **kwargs):
+            return input_ids
+
+    assert skip_packing_check(NoCacheArgument(), {"input_ids": ids}) == {"input_ids": ids}
     with torch.no_grad():  # the same logits with the cache as without
         assert torch.equal(model(**spared).logits, model(input_ids=ids, use_cache=False).logits)

@@ -20,6 +20,8 @@ each batch): the graph is released, or never captured, for the rest of the run.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
 import torch
@@ -47,7 +49,8 @@ def _shapes(inputs: dict) -> tuple | None:
 
 
 def skip_packing_check(model: nn.Module, inputs: dict) -> dict:
-    """A copy of ``inputs``, with ``use_cache=True`` where the batch has no position_ids.
+    """A copy of ``inputs``, with ``use_cache=True`` where the batch has no position_ids and
+    the model is a decoder whose forward takes the argument.
 
     Without a cache, a Hugging Face model checks its position_ids for sequences packed into
     one row; it cannot while a CUDA graph is captured (or a model compiled), and then builds a
@@ -55,10 +58,23 @@ def skip_packing_check(model: nn.Module, inputs: dict) -> dict:
     every head and kept (0.25 GiB on Llama-3.1-8B at 512 tokens), a slower kernel. Positions the
     model numbers itself are never packed, and a cache holds the keys and values attention
     keeps anyway. Position_ids the batch brings may mark packed sequences: left to the check."""
-    config = getattr(_forward_module(model), "config", None)
-    if "position_ids" in inputs or "use_cache" in inputs or getattr(config, "use_cache", None) is None:
+    module = _forward_module(model)
+    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the model it compiles
+    config = getattr(module, "config", None)
+    if "position_ids" in inputs or "use_cache" in inputs or getattr(config, "use_cache", None) is None \
+            or getattr(config, "is_encoder_decoder", False) or not _takes_use_cache(type(module)):
         return dict(inputs)
     return {**inputs, "use_cache": True}
+
+
+@functools.cache
+def _takes_use_cache(module_type: type) -> bool:
+    """Whether the model's forward names a ``use_cache`` argument (one it would pass on
+    through ``**kwargs`` may reach a layer that does not take it)."""
+    try:
+        return "use_cache" in inspect.signature(module_type.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _forward_module(model: nn.Module) -> nn.Module:
