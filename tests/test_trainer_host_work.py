@@ -10,7 +10,7 @@ from test_trainer import STEPS, step_logs, training_args
 from transformers import Trainer
 
 from forge_hf.integrations.cuda_graph import skip_packing_check
-from forge_hf.integrations.trainer import ForgeTrainer
+from forge_hf.integrations.trainer import ForgeTrainer, ForgeTrainerMixin
 
 VOCAB, SEQ = 97, 12
 
@@ -40,6 +40,20 @@ def test_flops_are_the_trainers_with_the_parameters_counted_once(tmp_path, monke
     monkeypatch.setattr(trainer.model, "num_parameters", lambda **kw: counts.append(kw) or count(**kw))
     assert [trainer.floating_point_ops(batch) for _ in range(3)] == [expected] * 3 and len(counts) == 1
     assert trainer.floating_point_ops({"labels": batch["input_ids"]}) == 0  # no main input: the Trainer's answer
+
+
+class OwnFlops(Trainer):
+    def floating_point_ops(self, inputs):
+        return 7
+
+
+class ForgeOwnFlops(ForgeTrainerMixin, OwnFlops):  # the mixin before a trainer with its own formula
+    pass
+
+
+def test_a_trainer_with_its_own_flops_formula_keeps_it(tmp_path):
+    trainer = ForgeOwnFlops(model=tiny_llama(VOCAB), args=training_args(tmp_path), train_dataset=dataset())
+    assert trainer.floating_point_ops({"input_ids": torch.zeros(3, SEQ, dtype=torch.long)}) == 7
 
 
 def test_the_packing_check_is_spared_only_for_positions_the_model_numbers_itself():

@@ -9,6 +9,7 @@ would clip and log only the non-fused gradients, which is silent wrong training.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -495,9 +496,11 @@ class ForgeTrainerMixin:
 
     def floating_point_ops(self, inputs) -> int:
         # The Trainer counts the model's parameters again at every step (a walk over all its
-        # modules, milliseconds on a big model): counted once here, same formula.
+        # modules, milliseconds on a big model): counted once here, same formula. A trainer
+        # class after this mixin with a formula of its own keeps it.
         name = getattr(self.model, "main_input_name", "input_ids")
-        if name not in inputs or not hasattr(self.model, "num_parameters"):
+        if name not in inputs or not hasattr(self.model, "num_parameters") or \
+                _defined_after(type(self), ForgeTrainerMixin, "floating_point_ops") is not Trainer:
             return super().floating_point_ops(inputs)
         counted = self.__dict__.get("_forge_flops_params")
         if counted is None or counted[0] is not self.model:
@@ -529,6 +532,13 @@ class ForgeTrainerMixin:
             logger.warning(f"forge: {name} fell back to the ordinary optimizer: {reason}{summary}")
             announced.add(name)
         return len(fell_back)
+
+
+@functools.cache
+def _defined_after(cls: type, after: type, name: str) -> type | None:
+    """The class after ``after`` in ``cls``'s method order whose body defines ``name``."""
+    mro = cls.__mro__
+    return next((c for c in mro[mro.index(after) + 1:] if name in c.__dict__), None)
 
 
 def nothing_fused_message(optim: str, model, report: PatchReport) -> str:
