@@ -10,10 +10,11 @@ parity: W ranks at local batch b against one process at batch W*b, same init and
 are captured and replayed (forge_hf.GraphedStep: 2 eager steps, a capture, replays). Reports the weight
 difference (absolute, relative to each tensor's largest weight, in ulps of the weight
 dtype), fused and non-fused weights apart, and whether the replicas are bit-identical.
-speed: step time and per-rank peak memory of forge_dp (sharded state), DDP + fused AdamW
-and FSDP2 + fused AdamW, bf16 parameters, batch b x seq per rank; each arm a row of the
-results table as soon as it is measured (step: the slowest rank's; peak: the largest rank's),
---out also writes every rank's fields as JSON.
+speed: step time and per-rank peak memory of forge_dp (sharded state), DDP + fused AdamW,
+FSDP2 + fused AdamW and forge inside FSDP2 (forge_fsdp2; --state for its state), bf16
+parameters, batch b x seq per rank; each arm a row of the results table as soon as it is
+measured (step: the slowest rank's; peak: the largest rank's), --out also writes every
+rank's fields as JSON.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import forge_hf
 from forge_hf.optim.distributed import enable_data_parallel, row_band
+from forge_hf.optim.fsdp import enable_fsdp
 from forge_hf.optim.optimizer import fused_layers
 
 from models import SHAPES, build_model
 from results_table import add_table_option, append_rows
 from timing import profile_steps, step_times, summary
 
-ARMS = ("forge_dp", "ddp_fused_adamw", "fsdp2_fused_adamw")
+ARMS = ("forge_dp", "ddp_fused_adamw", "fsdp2_fused_adamw", "forge_fsdp2")
 # forge_dp_graphed: forge_dp's whole step captured once and replayed (forge_hf.GraphedStep;
 # no DDP wrapper: the step averages the non-fused gradients itself)
 # forge_plain (no data parallelism at all) is for comparing with forge_dp at world size 1;
@@ -265,6 +267,15 @@ def fully_shard_fn():
     return fully_shard
 
 
+def shard(model):
+    """FSDP2 as the FSDP2 arms use it: one all-gather / reduce-scatter unit per decoder layer,
+    then the root (embeddings, final norm, lm_head, tied or not)."""
+    fully_shard = fully_shard_fn()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
 def make_arm(opts, arm, model):
     """(module to call, optimizer) for ``arm``."""
     fused = True if opts.dev.type == "cuda" else None  # fused AdamW: GPU only here
@@ -284,11 +295,13 @@ def make_arm(opts, arm, model):
     if arm == "ddp_fused_adamw":
         return ddp(opts, model), torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01, fused=fused)
     if arm == "fsdp2_fused_adamw":
-        fully_shard = fully_shard_fn()
-        for layer in model.model.layers:  # one all-gather / reduce-scatter unit per decoder layer
-            fully_shard(layer)
-        fully_shard(model)  # the root: embeddings, final norm, lm_head (tied or not)
+        shard(model)
         return model, torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01, fused=fused)
+    if arm == "forge_fsdp2":  # forge inside FSDP2 (optim/fsdp.py): the fused layers step their row shards
+        patch(opts, model)
+        shard(model)
+        enable_fsdp(model)
+        return model, forge_optimizer(opts, model)
     raise ValueError(f"unknown arm {arm!r}: choose from {ARMS + EXTRA_ARMS}")
 
 
