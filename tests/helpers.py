@@ -1,6 +1,14 @@
-"""Shared test tools: exactly summable inputs, tolerances, small comparisons."""
+"""Shared test tools: exactly summable inputs, tolerances, small comparisons, the benchmark
+tools' modules."""
+
+import contextlib
+import importlib
+import sys
+from pathlib import Path
 
 import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # fp32 weights and states against torch.optim fed the same gradient: relative to the
 # largest weight, so near-zero entries are judged on the tensor's scale.
@@ -99,3 +107,14 @@ def adamw_bf16_layer(precision="bf16", n=70, k=130, device="cpu"):
     state = ForgeState(rule, precision, transposed=False)
     state.allocate(w, group)
     return w, state, rule, group
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str):
+    """A module of benchmarks/, imported with that folder on sys.path while the context lasts
+    (the tools import each other by name)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))

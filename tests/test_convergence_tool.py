@@ -3,16 +3,13 @@ plot and quantization report, and that every arm starts from one initialisation 
 one data order."""
 
 import csv
-import importlib
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import benchmark_module
 
-ROOT = Path(__file__).resolve().parents[1]
 LRS = (1e-2, 3e-5)  # 1e-2: a tiny model learns visibly within 8 steps
 STEPS, EVAL_EVERY, LAYERS = 8, 4, 2
 TINY = ["--steps", str(STEPS), "--eval-every", str(EVAL_EVERY), "--hidden", "32", "--layers", str(LAYERS),
@@ -22,11 +19,8 @@ TINY = ["--steps", str(STEPS), "--eval-every", str(EVAL_EVERY), "--hidden", "32"
 
 @pytest.fixture(scope="module")
 def convergence():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        yield importlib.import_module("convergence")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    with benchmark_module("convergence") as module:
+        yield module
 
 
 class Recorder:

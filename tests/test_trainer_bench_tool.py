@@ -1,22 +1,14 @@
 """benchmarks/trainer_bench.py's row names: an arm's options are part of its name, so the
 report (one row per model, batch and arm) keeps configurations apart."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def trainer_bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        yield importlib.import_module("trainer_bench")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    with benchmark_module("trainer_bench") as module:
+        yield module
 
 
 def test_an_arm_is_named_by_its_options(trainer_bench):
