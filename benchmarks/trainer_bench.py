@@ -93,9 +93,10 @@ class StepClock:
                 self.times.append((time.perf_counter() - self._t) * 1e3)
                 self.peaks.append(torch.cuda.max_memory_allocated() / 2**30)
                 if len(self.times) <= memory_steps:
-                    self._ends.append(len(_device_trace()))
+                    trace = _device_trace()  # a snapshot of the whole history: taken once a step
+                    self._ends.append(len(trace))
                     if len(self.times) == memory_steps:
-                        self.memory = _alive_at_peaks(_device_trace(), self._ends, self._base)
+                        self.memory = _alive_at_peaks(trace, self._ends, self._base)
                         torch.cuda.memory._record_memory_history(enabled=None)
 
             def on_train_end(self, args, state, control, **kw):
@@ -238,11 +239,11 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
     timed = clock.times[warmup:warmup + steps]  # the profiled steps after them are not timed
     if clock.memory is not None:
         details["memory"] = clock.memory
-    after_profile = _profiled_arms > 0
+    after_profile = bool(_PROFILED_ARMS)
     if clock.profile is not None:
         details["kernels"] = kernel_table(clock.profile, profile_steps)
         details["host"] = host_table(clock.host, profile_steps)
-        _count_profiled_arm()
+        _PROFILED_ARMS.append(arm)
     q = statistics.quantiles(timed, n=4) if len(timed) >= 4 else [min(timed), 0, max(timed)]
     del trainer, model
     steady = max(clock.peaks[warmup:warmup + steps])
@@ -256,12 +257,7 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
     return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
 
 
-_profiled_arms = 0  # arms of this process run under torch.profiler: CUPTI stays loaded after it stops
-
-
-def _count_profiled_arm() -> None:
-    global _profiled_arms
-    _profiled_arms += 1
+_PROFILED_ARMS: list[str] = []  # arms of this process run under torch.profiler: CUPTI stays loaded after it stops
 
 
 def write_details(folder: str, row: dict, details: dict) -> None:
