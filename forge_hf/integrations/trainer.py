@@ -473,8 +473,7 @@ class ForgeTrainerMixin:
         optimizer = self.forge_optimizer
         if optimizer is not None:
             optimizer.link_layers()
-        if self.forge_options is not None and self.forge_options.lean_loss:
-            keep_logits_in_model_dtype(self.model)  # after accelerate's prepare, before the first forward
+        self._forge_keep_logits()
         loss = self.forge_graph.run(self, model, inputs, num_items_in_batch)
         if loss is not None:
             return loss
@@ -483,9 +482,14 @@ class ForgeTrainerMixin:
         return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self._forge_keep_logits()
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def _forge_keep_logits(self) -> None:
+        """lean_loss: the logits out of accelerate's fp32 conversion, which its prepare (for
+        training or for evaluation) puts on the model before the first forward."""
         if self.forge_options is not None and self.forge_options.lean_loss:
             keep_logits_in_model_dtype(self.model)
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def _get_grad_norm(self, model, grad_norm=None):
         # The Trainer's norm of the gradients it sees, taken every step (the fused weights have
