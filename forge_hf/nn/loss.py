@@ -3,8 +3,9 @@
 Hugging Face's loss casts the whole (tokens x vocabulary) logits to fp32 before the
 cross-entropy, and autograd then holds that copy and its gradient: at 512 tokens and
 Llama-3's 128K vocabulary, 0.25 GiB each, next to a peak that forge has otherwise brought
-down to weights, states and activations. Here the fp32 work is done a block of rows at a
-time, the gradient is written over the logits (which nothing needs after the loss), and
+down to weights, states and activations. Here the fp32 work is done in registers by the row
+kernels of kernels/cross_entropy.py on a CUDA device (elsewhere by torch, a block of rows at
+a time), the gradient is written over the logits (which nothing needs after the loss), and
 nothing is read back to the host, so a CUDA graph can capture it (Liger's cross-entropy
 reads the token count with ``.item()``).
 """
