@@ -236,3 +236,61 @@ def test_without_grad_the_loss_is_for_causal_lm_loss_bit_for_bit(num_items):
     with torch.no_grad():
         assert torch.equal(shifted_cross_entropy(logits, labels, num_items),
                            ForCausalLMLoss(logits, labels, vocab_size=V, num_items_in_batch=num_items))
+
+
+# ------------------------------------------------- the fused row kernels (TRITON_INTERPRET on CPU)
+# A row's log-sum-exp is summed lane by lane in blocks here, by torch in its own order: fp32
+# sums that agree to 1e-6 relative. The gradient's exponent x - lse carries that rounding
+# (1e-6 of |lse|, about 10 here): fp32 gradients agree to 1e-5 relative, bf16 ones to one
+# bf16 step.
+
+
+def _wide_logits(dtype, rows=5, vocab=9000, seed=1):
+    """Two full blocks of the kernels and a partial third; a row of -inf but for one logit."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    logits[3] = float("-inf")
+    logits[3, 8999] = 2.0
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[3] = 8999
+    return logits, targets
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_kernels_give_torchs_lse_target_logit_and_gradient(dtype):
+    from forge_hf.kernels.cross_entropy import row_grad_, row_lse
+
+    logits, targets = _wide_logits(dtype)
+    lse, picked = row_lse(logits, targets)
+    ref = logits.float()
+    torch.testing.assert_close(lse, torch.logsumexp(ref, dim=-1), rtol=1e-6, atol=0)
+    assert torch.equal(picked, ref.gather(1, targets[:, None]).squeeze(1))
+    scale = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.25])
+    grad = logits.clone()
+    row_grad_(grad, targets, lse, scale)
+    expected = (torch.softmax(ref, dim=-1) - F.one_hot(targets, ref.shape[1])) * scale[:, None]
+    if dtype == torch.bfloat16:
+        assert bf16_ulps_apart(grad, expected.to(dtype)).max() <= 1
+    else:
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-9)
+    assert not grad[1].any()  # a row whose scale is 0 (its target ignored)
+
+
+def test_on_the_row_kernels_the_loss_is_the_chunked_loss(monkeypatch):
+    logits, targets = _wide_logits(torch.bfloat16)
+    targets[1] = -100
+    results = []
+    for kernels in (False, True):
+        monkeypatch.setattr(loss_module, "_on_row_kernels", lambda logits, kernels=kernels: kernels)
+        results.append(_chunked(logits, targets, chunk_rows=2))
+    (loss, grad), (fused_loss, fused_grad) = results
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
+    assert bf16_ulps_apart(fused_grad, grad).max() <= 1 and not fused_grad[1].any()
+
+
+def test_row_kernels_refuse_logits_whose_rows_are_not_contiguous():
+    from forge_hf.kernels.cross_entropy import row_lse
+
+    logits, targets = _wide_logits(torch.float32)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        row_lse(logits.t().contiguous().t(), targets)

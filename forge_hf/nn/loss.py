@@ -3,8 +3,9 @@
 Hugging Face's loss casts the whole (tokens x vocabulary) logits to fp32 before the
 cross-entropy, and autograd then holds that copy and its gradient: at 512 tokens and
 Llama-3's 128K vocabulary, 0.25 GiB each, next to a peak that forge has otherwise brought
-down to weights, states and activations. Here the fp32 work is done a block of rows at a
-time, the gradient is written over the logits (which nothing needs after the loss), and
+down to weights, states and activations. Here the fp32 work is done in registers by the row
+kernels of kernels/cross_entropy.py on a CUDA device (elsewhere by torch, a block of rows at
+a time), the gradient is written over the logits (which nothing needs after the loss), and
 nothing is read back to the host, so a CUDA graph can capture it (Liger's cross-entropy
 reads the token count with ``.item()``).
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels.cross_entropy import row_grad_, row_lse
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 24  # fp32 temporaries of one block of rows: 64 MiB
@@ -31,14 +34,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         count = _divisor(num_items_in_batch, logits.device)
         if count is None:
             count = valid.sum().clamp_min(1)  # stays on the device
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        picked = torch.empty_like(lse)
-        for r0 in range(0, logits.shape[0], chunk_rows):
-            rows = slice(r0, r0 + chunk_rows)
-            block = logits[rows].float()
-            lse[rows] = torch.logsumexp(block, dim=-1)
-            picked[rows] = block.gather(1, safe[rows, None]).squeeze(1)
-            del block  # before the next block is made, not after
+        if _on_row_kernels(logits):
+            lse, picked = row_lse(logits, safe)
+        else:
+            lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+            picked = torch.empty_like(lse)
+            for r0 in range(0, logits.shape[0], chunk_rows):
+                rows = slice(r0, r0 + chunk_rows)
+                block = logits[rows].float()
+                lse[rows] = torch.logsumexp(block, dim=-1)
+                picked[rows] = block.gather(1, safe[rows, None]).squeeze(1)
+                del block  # before the next block is made, not after
         counted = torch.is_tensor(count)  # else a Python number, kept as it is
         ctx.save_for_backward(logits, safe, valid, lse, *([count] if counted else []))
         ctx.chunk_rows, ctx.number = chunk_rows, None if counted else count
@@ -53,6 +59,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         ctx.logits_overwritten = True
         logits, safe, valid, lse, *count = ctx.saved_tensors
         scale = torch.where(valid, grad / (count[0] if count else ctx.number), 0.0)
+        if _on_row_kernels(logits):
+            row_grad_(logits, safe, lse, scale)
+            return logits, None, None, None, None
         for r0 in range(0, logits.shape[0], ctx.chunk_rows):
             rows = slice(r0, r0 + ctx.chunk_rows)
             # in place: one fp32 block alive, not three (0.12 GiB at a Llama-3 step's peak,
@@ -63,6 +72,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             logits[rows] = block
             del block
         return logits, None, None, None, None
+
+
+def _on_row_kernels(logits: torch.Tensor) -> bool:
+    """Whether the fused row kernels (kernels/cross_entropy.py) take these logits: on a CUDA
+    device, rows contiguous; elsewhere torch's kernels a block of rows at a time."""
+    return logits.is_cuda and logits.stride(1) == 1
 
 
 def _divisor(num_items_in_batch, device):
