@@ -59,7 +59,7 @@ class StepClock:
     with ``memory_steps`` it also records the allocator's history over the first steps (what is
     alive at each one's peak), with ``profile_from`` it profiles the GPU's kernels from that step on."""
 
-    def __new__(cls, memory_steps: int = 0, profile_from: int | None = None):
+    def __new__(cls, memory_steps: int = 0, profile_from: int | None = None, step_sync: bool = True):
         from transformers import TrainerCallback
 
         class Clock(TrainerCallback):
@@ -74,12 +74,14 @@ class StepClock:
 
             def on_train_begin(self, args, state, control, **kw):
                 self.before = torch.cuda.max_memory_allocated() / 2**30
+                self._last = time.perf_counter()
                 if memory_steps:
                     self._base = torch.cuda.memory_allocated()
                     torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
 
             def on_step_begin(self, args, state, control, **kw):
-                torch.cuda.synchronize()
+                if step_sync:
+                    torch.cuda.synchronize()
                 if profile_from is not None and len(self.times) == profile_from:
                     self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     self.host = cProfile.Profile()
@@ -89,8 +91,13 @@ class StepClock:
                 self._t = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kw):
-                torch.cuda.synchronize()
-                self.times.append((time.perf_counter() - self._t) * 1e3)
+                if step_sync:  # the step alone, from a drained GPU to a drained GPU
+                    torch.cuda.synchronize()
+                    self.times.append((time.perf_counter() - self._t) * 1e3)
+                else:  # the interval since the last step's end: what a run without a clock sees
+                    now = time.perf_counter()
+                    self.times.append((now - self._last) * 1e3)
+                    self._last = now
                 self.peaks.append(torch.cuda.max_memory_allocated() / 2**30)
                 if len(self.times) <= memory_steps:
                     trace = _device_trace()  # a snapshot of the whole history: taken once a step
@@ -195,17 +202,18 @@ def arm_label(arm: str, forge_options: str, liger: bool) -> str:
 
 def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
             forge_options: str = "", liger: bool = False, memory_steps: int = 0, profile_steps: int = 0,
-            details: dict | None = None) -> dict:
+            details: dict | None = None, step_sync: bool = True, non_blocking: bool = False) -> dict:
     """The arm's row; ``details`` (when given) receives what memory_steps and profile_steps found."""
     base, fsdp2 = arm.removesuffix("_fsdp2"), arm.endswith("_fsdp2")
     with world_of_one() if fsdp2 else contextlib.nullcontext():
         return _run_arm(base, model_name, batch, length, steps, warmup, bf16 and not fsdp2, fsdp2, forge_options,
-                        liger, memory_steps, profile_steps, {} if details is None else details)
+                        liger, memory_steps, profile_steps, {} if details is None else details, step_sync,
+                        non_blocking)
 
 
 def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
              fsdp2: bool, forge_options: str, liger: bool, memory_steps: int, profile_steps: int,
-             details: dict) -> dict:
+             details: dict, step_sync: bool, non_blocking: bool) -> dict:
     from transformers import Trainer, TrainingArguments
 
     import forge_hf
@@ -215,7 +223,7 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
     forge = base.startswith("forge")
     torch.cuda.reset_peak_memory_stats()  # here: an arm that fails reports its own peak, not the last arm's
     model = build_model(model_name)
-    clock = StepClock(memory_steps, warmup + steps if profile_steps else None)
+    clock = StepClock(memory_steps, warmup + steps if profile_steps else None, step_sync)
     fsdp = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": model._no_split_modules}
                 ) if fsdp2 else {}
     with tempfile.TemporaryDirectory() as out:
@@ -226,7 +234,8 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
             seed=0, optim="forge_adamw" if forge else "adamw_torch_fused",
             optim_args=",".join(filter(None, (f"state_precision={state}",
                                               "cuda_graph=false" if base == "forge_eager" else "", forge_options)))
-            if forge else None, **fsdp, **(LIGER if liger else {}))
+            if forge else None, **fsdp, **(LIGER if liger else {}),
+            **(dict(accelerator_config={"non_blocking": True}, dataloader_pin_memory=True) if non_blocking else {}))
         data = RandomTokens(batch * (warmup + steps + profile_steps), length, model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
         trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock])
@@ -252,6 +261,8 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
         ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
         ("; Liger RoPE, RMSNorm, SwiGLU" if liger else "") + \
         (f"; {forge_options}" if forge and forge_options else "") + \
+        ("" if step_sync else "; no device sync at the steps: intervals between step ends") + \
+        ("; batches copied to the GPU without blocking" if non_blocking else "") + \
         ("; after a profiled arm in this process (its launches may carry the profiler's overhead)"
          if after_profile else "")
     return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
@@ -286,6 +297,12 @@ def main() -> None:
                    "(e.g. recompute_swiglu=true)")
     p.add_argument("--liger", choices=("on", "off"), default="off",
                    help="every arm with the recipes' Liger kernels (RoPE, RMSNorm, SwiGLU; not its losses)")
+    p.add_argument("--step-sync", choices=("on", "off"), default="on",
+                   help="on: each step timed from a drained GPU to a drained GPU; off: the interval between step "
+                   "ends, no device sync (a run's throughput: host work between steps may overlap the GPU's)")
+    p.add_argument("--non-blocking", choices=("on", "off"), default="off",
+                   help="every arm's batches copied to the GPU without blocking the host (accelerator_config "
+                   "non_blocking with pinned memory)")
     p.add_argument("--memory-steps", type=int, default=0, help="record the allocator's history over this many "
                    "first steps of each arm: what is alive at each one's peak, by the step and site that allocated it")
     p.add_argument("--profile-steps", type=int, default=0, help="this many more steps after the timed ones, under "
@@ -308,7 +325,8 @@ def main() -> None:
                 try:
                     row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup, opts.bf16 == "on",
                                        opts.forge_options, opts.liger == "on", opts.memory_steps,
-                                       opts.profile_steps, details))
+                                       opts.profile_steps, details, opts.step_sync == "on",
+                                       opts.non_blocking == "on"))
                 except Exception as e:  # an arm that fails (out of memory, a compile error) is a row too
                     traceback.print_exc()
                     row.update(step_ms="", spread_ms="", peak_gib=torch.cuda.max_memory_allocated() / 2**30,

@@ -50,9 +50,18 @@ class _StandInStep:
 
     def __init__(self, model, optimizer, loss_fn, warmup_steps):
         self.model, self.optimizer, self.warmup_steps = model, optimizer, warmup_steps
-        self.graph, self.calls, self.stale = None, 0, False
+        self.graph, self.calls, self.stale, self.pending = None, 0, False, False
 
-    def __call__(self, inputs):
+    def join(self):
+        self.pending = False
+
+    def launch(self, inputs):
+        assert not self.pending, "launched before the last replay was joined"
+        loss = self._launch(inputs)
+        self.pending = self.graph is not None
+        return loss
+
+    def _launch(self, inputs):
         from forge_hf.optim.graphs import StaleGraph
 
         if self.graph is not None and self.stale:
@@ -88,6 +97,21 @@ def _drive_graph(lengths, monkeypatch):
         for n in lengths:
             run(n)
     return graph, [str(w.message) for w in caught]
+
+
+def test_every_step_follows_the_last_replay(monkeypatch):
+    """A replay lets the loss out before its backward is done; whatever the next step does
+    (replay, run eagerly for a batch of other shapes, capture again) is ordered after it."""
+    graph, run = _stand_in_graph(monkeypatch)
+    for n in (7, 7, 7, 7, 5, 7, 7):  # the stand-in asserts its launches were joined
+        run(n)
+    step = graph.step
+    assert step.pending  # the last replay: left for the Trainer's _get_grad_norm to join
+    step.stale = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(7)  # refused as stale after the join: the old step is dropped joined
+    assert not step.pending and graph.step is None
 
 
 def test_a_model_already_training_is_not_switched_again(monkeypatch):
@@ -158,9 +182,10 @@ def cuda_llama():
     return tiny_llama().cuda().to(torch.bfloat16)
 
 
-def train(out, mode, **overrides):
+def train(out, mode, callbacks=None, **overrides):
     args = cuda_args(out, optim_args=f"state_precision=bf16,min_params=0,cuda_graph={mode}", **overrides)
-    trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=9))
+    trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=9),
+                           callbacks=callbacks)
     with sdpa_kernel(SDPBackend.MATH):  # deterministic attention backward
         trainer.train()
     return trainer
@@ -196,6 +221,38 @@ def test_graphed_trainer_follows_the_eager_one_with_eval_and_schedule(tmp_path):
     assert graphed.forge_graph.step.calls == 10 - 1  # the first step eager through the Trainer
     assert any("eval_loss" in log for log in graphed.state.log_history)
     assert_trains_alike(graphed, eager, start)
+
+
+class WeightSnapshots:
+    """A TrainerCallback (made lazily) that copies every weight at each step's end on the
+    current stream, as an averaging callback would: after a replay it must read the step's
+    updated weights, not weights its backward is still writing."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Snapshots(TrainerCallback):
+            def __init__(self):
+                self.taken = []
+
+            def on_step_end(self, args, state, control, model=None, **kw):
+                self.taken.append([p.detach().clone() for p in model.parameters()])
+
+        return Snapshots()
+
+
+@pytest.mark.gpu
+def test_callbacks_see_each_step_finished(tmp_path):
+    start = [p.detach().clone() for p in cuda_llama().parameters()]
+    graphed_seen, eager_seen = WeightSnapshots(), WeightSnapshots()
+    graphed = train(tmp_path / "g", "true", callbacks=[graphed_seen])
+    train(tmp_path / "e", "false", callbacks=[eager_seen])
+    assert graphed.forge_graph.step.graph is not None and len(graphed_seen.taken) == 10
+    for step, (seen, reference) in enumerate(zip(graphed_seen.taken, eager_seen.taken)):
+        for (name, _), a, b, a0 in zip(graphed.model.named_parameters(), reference, seen, start):
+            moved = (a.float() - a0.float()).norm()
+            apart = (b.float() - a.float()).norm()
+            assert apart <= 0.05 * moved or bf16_ulps_apart(a, b).max() <= 2, f"step {step}, {name}"
 
 
 @pytest.mark.gpu

@@ -209,6 +209,36 @@ def test_a_wrong_batch_after_capture_is_refused_and_loses_nothing():
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+def test_a_launched_replay_lets_out_its_own_loss_and_joins_to_its_update():
+    """launch() returns this replay's loss, read after the forward (a kernel sleeping at the
+    end of the forward makes a read that did not wait see the last replay's loss), and after
+    join() the weights are those of the eager steps, bit for bit (the output gradients are
+    the batch's, whatever the GEMMs do)."""
+    model, opt = parallel_model("adamw", "bf16", torch.bfloat16)
+    twin, twin_opt = parallel_model("adamw", "bf16", torch.bfloat16)
+
+    def slow_forward_loss(model, batch):
+        loss = parallel_loss(model, batch)
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds before the loss's event
+        return loss
+
+    step = GraphedStep(model, opt, loss_fn=slow_forward_loss, warmup_steps=1)
+    batches = parallel_batches(5, torch.bfloat16)
+    for batch in batches:
+        loss = step.launch(batch)
+        early = loss.item()  # on the current stream: waits for the loss's event, not the backward
+        step.join()
+        torch.cuda.synchronize()
+        if step.graph is not None:  # the warm-up step runs eagerly: no captured loss
+            assert early == step.loss.item() == loss.item()
+        parallel_loss(twin, batch).backward()
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=True)
+    for a, b in zip(twin.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
 def _batches(n, batch=2):
     gen = torch.Generator().manual_seed(3)
     return [{"input_ids": ids.cuda(), "labels": ids.cuda()}

@@ -127,8 +127,17 @@ class TrainerGraph:
 
     # ------------------------------------------------------------------ the step
 
+    def join(self) -> None:
+        """Order the current stream after the last replay: before anything on it reads or
+        writes what the step touched (the replay runs on a side stream and lets the loss out
+        as soon as the forward is done, so that the host's work between steps overlaps the
+        backward)."""
+        if self.step is not None:
+            self.step.join()
+
     def run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
         """This training step through the graph (its loss), or None: run it eagerly."""
+        self.join()  # before any decision: an eager step or a new capture must follow the last replay
         if self.off is not None:
             return None
         device = next(model.parameters()).device
@@ -197,7 +206,7 @@ class TrainerGraph:
         optimizer = trainer.forge_optimizer
         capturing = self.step.graph is None and self.step.calls >= self.step.warmup_steps
         try:
-            loss = self.step(inputs)
+            loss = self.step.launch(inputs)
         except RuntimeError as e:
             if not capturing:
                 raise

@@ -426,6 +426,7 @@ class ForgeTrainerMixin:
         return "SHARDED_STATE_DICT" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.forge_graph.join()
         if not self.forge_fsdp2:
             return super()._save_optimizer_and_scheduler(output_dir)
         from accelerate.utils import save_fsdp_model
@@ -482,6 +483,7 @@ class ForgeTrainerMixin:
         return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self.forge_graph.join()
         self._forge_keep_logits()
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
@@ -492,6 +494,9 @@ class ForgeTrainerMixin:
             keep_logits_in_model_dtype(self.model)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        # Called right after each training step: from here on the Trainer, its callbacks and
+        # checkpoints may touch what the replayed step wrote.
+        self.forge_graph.join()
         # The Trainer's norm of the gradients it sees, taken every step (the fused weights have
         # none): host and GPU work for nothing, as log() reports the optimizer's own norm.
         if self.forge_optimizer is not None:
@@ -512,6 +517,7 @@ class ForgeTrainerMixin:
         return 6 * inputs[name].numel() * counted[1]
 
     def log(self, logs: dict, *args, **kwargs):
+        self.forge_graph.join()
         optimizer = self.forge_optimizer
         if optimizer is not None:
             fell_back = self.forge_note_fallbacks()

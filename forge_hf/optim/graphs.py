@@ -112,7 +112,11 @@ class GraphedStep:
 
     The first ``warmup_steps`` calls are ordinary eager steps (they compile the kernels and
     allocate the optimizer state); the next call captures the step and every call from then
-    on replays it. Each call is one training step on its batch, warm-up included. Gradient
+    on replays it. Each call is one training step on its batch, warm-up included; a replay
+    runs on a side stream, and the call orders the current stream after it. ``launch(batch)``
+    is the call without that order: its loss is ready once the forward is done, and ``join()``
+    orders the current stream after the rest (ForgeTrainer joins after the Trainer has read
+    the loss, so that its work between steps overlaps the backward). Gradient
     clipping and accumulation are not part of a forge step, so nothing else runs between
     backward and ``optimizer.step()``. Changing a learning rate (a scheduler) needs no new
     capture; loading a checkpoint into the optimizer or moving the model does (a replay
@@ -154,8 +158,19 @@ class GraphedStep:
         self.loss: torch.Tensor | None = None
         self.addresses: CapturedAddresses | None = None  # set by the capture
         self._device = device
+        self._loss_ready = torch.cuda.Event(external=True)  # recorded inside the graph, after the loss
+        self._replaying = False  # a replay the current stream has not been ordered after
 
     def __call__(self, batch: dict) -> torch.Tensor:
+        loss = self.launch(batch)
+        self.join()
+        return loss
+
+    def launch(self, batch: dict) -> torch.Tensor:
+        """This step, its loss ready on the current stream as soon as the forward is done: a
+        replay runs on the side stream, which the current stream waits for only up to the
+        loss. Call ``join()`` before the current stream reads or writes anything else the step
+        touches (weights, states, gradients, the grad norm); the next ``launch`` joins first."""
         if self.graph is None and self.calls < self.warmup_steps:
             loss = self._eager(batch)
         else:
@@ -167,13 +182,25 @@ class GraphedStep:
                     "since the step was captured (optimizer.load_state_dict, model.to, ...): the graph would "
                     "write to memory they no longer own. Build a new GraphedStep after loading or moving.")
             check_batch(self.inputs, batch)
+            self.join()  # the last replay has read its inputs and arguments: they may be overwritten
+            current, side = torch.cuda.current_stream(self._device), _side_stream(self._device)
             for key, value in batch.items():
                 self.inputs[key].copy_(value, non_blocking=True)
             self.table.refresh()
-            self.graph.replay()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self.graph.replay()
+            self._replaying = True
+            current.wait_event(self._loss_ready)  # the loss, not the backward
             loss = self.loss.clone()  # the next replay overwrites the captured loss
         self.calls += 1
         return loss
+
+    def join(self) -> None:
+        """Order the current stream after the last replay (on the GPU: the host does not wait)."""
+        if self._replaying:
+            torch.cuda.current_stream(self._device).wait_stream(_side_stream(self._device))
+            self._replaying = False
 
     def _eager(self, batch: dict) -> torch.Tensor:
         # on a side stream, as before any capture (torch.cuda.graphs' warm-up rule)
@@ -189,6 +216,8 @@ class GraphedStep:
         """What is captured: forward, backward (the fused updates), the non-fused
         gradients' average over the ranks, the optimizer step."""
         loss = self.loss_fn(self.model, batch)
+        if torch.cuda.is_current_stream_capturing():
+            self._loss_ready.record()  # a node of the graph: its replays let the loss be read early
         loss.backward()
         if self.data_parallel:
             average_gradients(self.model, self.dp_group)
