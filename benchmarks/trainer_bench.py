@@ -63,6 +63,7 @@ class StepClock:
         from transformers import TrainerCallback
 
         class Clock(TrainerCallback):
+            forge_host_only = True  # timers and allocator statistics: a replay's backward need not be waited for
             def __init__(self):
                 self.times: list[float] = []
                 self.peaks: list[float] = []  # GiB, each step's own peak
@@ -303,6 +304,12 @@ def main() -> None:
     p.add_argument("--non-blocking", choices=("on", "off"), default="off",
                    help="every arm's batches copied to the GPU without blocking the host (accelerator_config "
                    "non_blocking with pinned memory)")
+    p.add_argument("--loss-rows", choices=("triton", "torch"), default="triton",
+                   help="lean_loss's rows on CUDA by forge's Triton kernels, or by torch's (the blocks of fp32 "
+                   "temporaries they replace)")
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
+                   help="off: a replayed forge step's loss waits for its backward, so nothing of the Trainer's "
+                   "host work between steps runs beside it")
     p.add_argument("--memory-steps", type=int, default=0, help="record the allocator's history over this many "
                    "first steps of each arm: what is alive at each one's peak, by the step and site that allocated it")
     p.add_argument("--profile-steps", type=int, default=0, help="this many more steps after the timed ones, under "
@@ -312,6 +319,12 @@ def main() -> None:
     p.add_argument("--out", help="also write the rows as JSON here")
     add_table_option(p)
     opts = p.parse_args()
+    if opts.overlap == "off":
+        from forge_hf.integrations.cuda_graph import TrainerGraph
+        TrainerGraph.overlap = False
+    if opts.loss_rows == "torch":
+        from forge_hf.nn import loss
+        loss.ROW_KERNELS = False
     if (opts.memory_steps or opts.profile_steps) and not opts.details_dir:
         p.error("--memory-steps and --profile-steps write their findings to --details-dir: give one")
     rows = []
@@ -319,7 +332,9 @@ def main() -> None:
         for cell in opts.batches.split(","):
             batch, length = map(int, cell.split("x"))
             for arm in opts.arms.split(","):
-                row = dict(model=model_name, batch=cell, arm=arm_label(arm, opts.forge_options, opts.liger == "on"),
+                row = dict(model=model_name, batch=cell, arm=arm_label(arm, opts.forge_options, opts.liger == "on")
+                           + ("+torch_loss_rows" if opts.loss_rows == "torch" and arm.startswith("forge") else "")
+                           + ("+no_overlap" if opts.overlap == "off" and arm.startswith("forge") else ""),
                            tool="trainer_bench")
                 details: dict = {}
                 try:

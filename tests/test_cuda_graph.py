@@ -56,16 +56,17 @@ class _StandInStep:
         self.pending = False
 
     def launch(self, inputs):
-        assert not self.pending, "launched before the last replay was joined"
-        loss = self._launch(inputs)
-        self.pending = self.graph is not None
-        return loss
-
-    def _launch(self, inputs):
         from forge_hf.optim.graphs import StaleGraph
 
         if self.graph is not None and self.stale:
-            raise StaleGraph("replaced since the capture")
+            raise StaleGraph("replaced since the capture")  # before joining, as GraphedStep's check
+        self.launched_pending = self.pending  # a replay joins the last one itself
+        self.pending = False
+        loss = self._launch()
+        self.pending = self.graph is not None
+        return loss
+
+    def _launch(self):
         if self.calls >= self.warmup_steps:
             self.graph = "captured"
         self.calls += 1
@@ -100,17 +101,22 @@ def _drive_graph(lengths, monkeypatch):
 
 
 def test_every_step_follows_the_last_replay(monkeypatch):
-    """A replay lets the loss out before its backward is done; whatever the next step does
-    (replay, run eagerly for a batch of other shapes, capture again) is ordered after it."""
+    """A replay lets the loss out before its backward is done. The next replay joins it
+    itself, so the Trainer's checks of the new batch run beside that backward; a step run
+    eagerly instead (a batch of other shapes, a stale graph) is ordered after it first."""
     graph, run = _stand_in_graph(monkeypatch)
-    for n in (7, 7, 7, 7, 5, 7, 7):  # the stand-in asserts its launches were joined
+    for n in (7, 7, 7, 7):
         run(n)
     step = graph.step
-    assert step.pending  # the last replay: left for the Trainer's _get_grad_norm to join
+    assert step.pending and step.launched_pending  # not joined before the replay's own launch
+    assert run(5) is None and not step.pending  # eager: joined first
+    for n in (7, 7):
+        run(n)
+    assert step.pending
     step.stale = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run(7)  # refused as stale after the join: the old step is dropped joined
+        assert run(7) is None  # refused as stale: the dropped step is joined all the same
     assert not step.pending and graph.step is None
 
 

@@ -87,6 +87,8 @@ class TrainerGraph:
     """The graph state of one ForgeTrainer: counts batches of one shape, captures, replays,
     and gives each step that runs eagerly its reason."""
 
+    overlap = True  # False: the loss waits for the whole step (what benchmarks compare the overlap with)
+
     def __init__(self, mode: str):
         self.mode = check_mode(mode)
         self.off: str | None = "cuda_graph=false" if mode == "false" else None  # why no graph, for the run
@@ -95,6 +97,7 @@ class TrainerGraph:
         self.same_shapes = 0  # consecutive batches with self.shapes
         self.waiting = 0  # steps run eagerly while waiting for batches of one shape
         self.grad_norm: torch.Tensor | None = None  # the captured step's grad-norm output
+        self._launched: GraphedStep | None = None  # the last replay, until joined
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ decisions
@@ -128,16 +131,24 @@ class TrainerGraph:
     # ------------------------------------------------------------------ the step
 
     def join(self) -> None:
-        """Order the current stream after the last replay: before anything on it reads or
-        writes what the step touched (the replay runs on a side stream and lets the loss out
-        as soon as the forward is done, so that the host's work between steps overlaps the
-        backward)."""
-        if self.step is not None:
-            self.step.join()
+        """Order the current stream after the last replay, before anything on it reads or
+        writes what the step touched. A replay runs on a side stream and lets the loss out as
+        soon as the forward is done, so that the host's work between steps overlaps the
+        backward; the wait is the GPU's, the host goes on."""
+        if self._launched is not None:
+            self._launched.join()
+            self._launched = None
 
     def run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
-        """This training step through the graph (its loss), or None: run it eagerly."""
-        self.join()  # before any decision: an eager step or a new capture must follow the last replay
+        """This training step through the graph (its loss), or None: run it eagerly (after
+        the last replay). The next replay joins the last one itself: until then the new
+        batch's checks and copies run beside the last backward."""
+        loss = self._run(trainer, model, inputs, num_items_in_batch)
+        if loss is None:
+            self.join()
+        return loss
+
+    def _run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
         if self.off is not None:
             return None
         device = next(model.parameters()).device
@@ -207,6 +218,9 @@ class TrainerGraph:
         capturing = self.step.graph is None and self.step.calls >= self.step.warmup_steps
         try:
             loss = self.step.launch(inputs)
+            self._launched = self.step  # the step to join, even after a stale graph drops it
+            if not self.overlap:
+                self.join()
         except RuntimeError as e:
             if not capturing:
                 raise

@@ -28,6 +28,7 @@ from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, PatchReport, patch_model
 from .cuda_graph import TrainerGraph, skip_packing_check
 from .cuda_graph import check_mode as check_cuda_graph_mode
 from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
+from .step_order import StepOrder
 
 logger = logging.get_logger(__name__)
 
@@ -328,6 +329,7 @@ class ForgeTrainerMixin:
                                  "reduce-scatters run outside a captured step): use cuda_graph=auto or false")
             graph_mode = "false"
         self.forge_graph = TrainerGraph(graph_mode)
+        self.callback_handler.callbacks.insert(0, StepOrder(self))  # first: before the callbacks it orders
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             warnings.warn(
                 f"max_grad_norm={self.args.max_grad_norm} is ignored: forge optimizers step each fused "
@@ -425,8 +427,15 @@ class ForgeTrainerMixin:
     def _forge_sharded_checkpoint(self) -> bool:
         return "SHARDED_STATE_DICT" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def _save_checkpoint(self, model, trial):
+        self.forge_graph.join()  # the weights and states the last replay wrote
+        return super()._save_checkpoint(model, trial)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         self.forge_graph.join()
+        return super().save_model(output_dir, _internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.forge_fsdp2:
             return super()._save_optimizer_and_scheduler(output_dir)
         from accelerate.utils import save_fsdp_model
@@ -494,9 +503,6 @@ class ForgeTrainerMixin:
             keep_logits_in_model_dtype(self.model)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        # Called right after each training step: from here on the Trainer, its callbacks and
-        # checkpoints may touch what the replayed step wrote.
-        self.forge_graph.join()
         # The Trainer's norm of the gradients it sees, taken every step (the fused weights have
         # none): host and GPU work for nothing, as log() reports the optimizer's own norm.
         if self.forge_optimizer is not None:

@@ -20,6 +20,7 @@ from ..kernels.cross_entropy import row_grad_, row_lse
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 24  # fp32 temporaries of one block of rows: 64 MiB
+ROW_KERNELS = True  # False: torch's kernels on every device (what benchmarks compare the row kernels with)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -77,7 +78,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 def _on_row_kernels(logits: torch.Tensor) -> bool:
     """Whether the fused row kernels (kernels/cross_entropy.py) take these logits: on a CUDA
     device, rows contiguous; elsewhere torch's kernels a block of rows at a time."""
-    return logits.is_cuda and logits.stride(1) == 1
+    return ROW_KERNELS and logits.is_cuda and logits.stride(1) == 1
 
 
 def _divisor(num_items_in_batch, device):
