@@ -6,6 +6,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 from helpers import bf16_ulps_apart
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -246,14 +247,15 @@ def test_without_grad_the_loss_is_for_causal_lm_loss_bit_for_bit(num_items):
 
 
 def _wide_logits(dtype, rows=5, vocab=9000, seed=1):
-    """Two full blocks of the kernels and a partial third; a row of -inf but for one logit."""
+    """Two full blocks of the kernels and a partial third; a row of -inf but for one logit. On
+    the GPU where there is one (the row kernels' device), else for Triton's interpreter."""
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
     logits[3] = float("-inf")
     logits[3, 8999] = 2.0
     targets = torch.randint(0, vocab, (rows,), generator=gen)
     targets[3] = 8999
-    return logits, targets
+    return logits.to(DEVICE), targets.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -265,7 +267,7 @@ def test_row_kernels_give_torchs_lse_target_logit_and_gradient(dtype):
     ref = logits.float()
     torch.testing.assert_close(lse, torch.logsumexp(ref, dim=-1), rtol=1e-6, atol=0)
     assert torch.equal(picked, ref.gather(1, targets[:, None]).squeeze(1))
-    scale = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.25])
+    scale = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.25], device=DEVICE)
     grad = logits.clone()
     row_grad_(grad, targets, lse, scale)
     expected = (torch.softmax(ref, dim=-1) - F.one_hot(targets, ref.shape[1])) * scale[:, None]
