@@ -192,12 +192,17 @@ LIGER = dict(use_liger_kernel=True, liger_kernel_config=dict(rope=True, rms_norm
                                                              cross_entropy=False, fused_linear_cross_entropy=False))
 
 
-def arm_label(arm: str, forge_options: str, liger: bool) -> str:
-    """The row's arm: ``trainer_<arm>``, then ``+liger`` and ``+<key>`` for each forge option
-    given to a forge arm, so that the report keeps configurations apart."""
+def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "triton", overlap: bool = True,
+              step_sync: bool = True) -> str:
+    """The row's arm: ``trainer_<arm>``, then ``+liger``, ``+<key>`` for each forge option given
+    to a forge arm (in name order), its ablations (``+torch_loss_rows``, ``+no_overlap``) and
+    ``+no_step_sync`` for steps timed as the intervals between their ends, so that the report
+    keeps configurations and ways of timing apart."""
     tags = ["liger"] if liger else []
     if arm.startswith("forge"):
-        tags += [item.partition("=")[0].strip() for item in forge_options.split(",") if item.strip()]
+        tags += sorted(item.partition("=")[0].strip() for item in forge_options.split(",") if item.strip())
+        tags += ["torch_loss_rows"] * (loss_rows == "torch") + ["no_overlap"] * (not overlap)
+    tags += ["no_step_sync"] * (not step_sync)
     return "+".join([f"trainer_{arm}", *tags])
 
 
@@ -332,9 +337,9 @@ def main() -> None:
         for cell in opts.batches.split(","):
             batch, length = map(int, cell.split("x"))
             for arm in opts.arms.split(","):
-                row = dict(model=model_name, batch=cell, arm=arm_label(arm, opts.forge_options, opts.liger == "on")
-                           + ("+torch_loss_rows" if opts.loss_rows == "torch" and arm.startswith("forge") else "")
-                           + ("+no_overlap" if opts.overlap == "off" and arm.startswith("forge") else ""),
+                label = arm_label(arm, opts.forge_options, opts.liger == "on", opts.loss_rows, opts.overlap == "on",
+                                  opts.step_sync == "on")
+                row = dict(model=model_name, batch=cell, arm=label,
                            tool="trainer_bench")
                 details: dict = {}
                 try:

@@ -20,6 +20,12 @@ def test_an_arm_is_named_by_its_options(trainer_bench):
     # forge options do not reach the fused-AdamW arms; Liger does
     assert label("adamw_fused", "recompute_swiglu=true", True) == "trainer_adamw_fused+liger"
     assert label("adamw_fused_compile", "lean_loss=true", False) == "trainer_adamw_fused_compile"
+    assert label("forge", "recompute_swiglu=true,lean_loss=true", False) == "trainer_forge+lean_loss+recompute_swiglu"
+    # the ablations name forge arms only; the way of timing names every arm
+    assert label("forge", "lean_loss=true", True, "torch", False) == \
+        "trainer_forge+liger+lean_loss+torch_loss_rows+no_overlap"
+    assert label("adamw_fused", "", False, "torch", False) == "trainer_adamw_fused"
+    assert label("adamw_fused_compile", "", False, step_sync=False) == "trainer_adamw_fused_compile+no_step_sync"
 
 
 def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_bench):
