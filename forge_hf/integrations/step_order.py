@@ -17,7 +17,6 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback, ProgressCallback
 
 HOST_ONLY = (DefaultFlowCallback, PrinterCallback, ProgressCallback)  # the Trainer's: flags, progress, printing
-BETWEEN_STEPS = ("on_pre_optimizer_step", "on_optimizer_step", "on_step_end")
 
 
 class StepOrder(TrainerCallback):

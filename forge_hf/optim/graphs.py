@@ -115,8 +115,8 @@ class GraphedStep:
     on replays it. Each call is one training step on its batch, warm-up included; a replay
     runs on a side stream, and the call orders the current stream after it. ``launch(batch)``
     is the call without that order: its loss is ready once the forward is done, and ``join()``
-    orders the current stream after the rest (ForgeTrainer joins after the Trainer has read
-    the loss, so that its work between steps overlaps the backward). Gradient
+    orders the current stream after the rest (ForgeTrainer launches, and joins only before
+    what touches the step's tensors, so that its work between steps overlaps the backward). Gradient
     clipping and accumulation are not part of a forge step, so nothing else runs between
     backward and ``optimizer.step()``. Changing a learning rate (a scheduler) needs no new
     capture; loading a checkpoint into the optimizer or moving the model does (a replay
