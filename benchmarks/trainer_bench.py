@@ -64,6 +64,7 @@ class StepClock:
 
         class Clock(TrainerCallback):
             forge_host_only = True  # timers and allocator statistics: a replay's backward need not be waited for
+
             def __init__(self):
                 self.times: list[float] = []
                 self.peaks: list[float] = []  # GiB, each step's own peak
@@ -193,16 +194,17 @@ LIGER = dict(use_liger_kernel=True, liger_kernel_config=dict(rope=True, rms_norm
 
 
 def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "triton", overlap: bool = True,
-              step_sync: bool = True) -> str:
+              step_sync: bool = True, non_blocking: bool = False) -> str:
     """The row's arm: ``trainer_<arm>``, then ``+liger``, ``+<key>`` for each forge option given
-    to a forge arm (in name order), its ablations (``+torch_loss_rows``, ``+no_overlap``) and
-    ``+no_step_sync`` for steps timed as the intervals between their ends, so that the report
-    keeps configurations and ways of timing apart."""
+    to a forge arm (in name order), its ablations (``+torch_loss_rows``, ``+no_overlap``),
+    ``+non_blocking`` for batches copied without blocking the host and ``+no_step_sync`` for
+    steps timed as the intervals between their ends, so that the report keeps configurations
+    and ways of timing apart."""
     tags = ["liger"] if liger else []
     if arm.startswith("forge"):
         tags += sorted(item.partition("=")[0].strip() for item in forge_options.split(",") if item.strip())
         tags += ["torch_loss_rows"] * (loss_rows == "torch") + ["no_overlap"] * (not overlap)
-    tags += ["no_step_sync"] * (not step_sync)
+    tags += ["non_blocking"] * non_blocking + ["no_step_sync"] * (not step_sync)
     return "+".join([f"trainer_{arm}", *tags])
 
 
@@ -338,7 +340,7 @@ def main() -> None:
             batch, length = map(int, cell.split("x"))
             for arm in opts.arms.split(","):
                 label = arm_label(arm, opts.forge_options, opts.liger == "on", opts.loss_rows, opts.overlap == "on",
-                                  opts.step_sync == "on")
+                                  opts.step_sync == "on", opts.non_blocking == "on")
                 row = dict(model=model_name, batch=cell, arm=label,
                            tool="trainer_bench")
                 details: dict = {}

@@ -26,6 +26,7 @@ def test_an_arm_is_named_by_its_options(trainer_bench):
         "trainer_forge+liger+lean_loss+torch_loss_rows+no_overlap"
     assert label("adamw_fused", "", False, "torch", False) == "trainer_adamw_fused"
     assert label("adamw_fused_compile", "", False, step_sync=False) == "trainer_adamw_fused_compile+no_step_sync"
+    assert label("forge", "", False, step_sync=False, non_blocking=True) == "trainer_forge+non_blocking+no_step_sync"
 
 
 def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_bench):
