@@ -38,6 +38,14 @@ def per_call_us(fn, n=300):
     return host
 
 
+LAYERS_A_STEP = 196  # Qwen3-0.6B's fused layers
+
+
+def step_of_launch_args(rule, group, states, device) -> None:
+    for state in states:
+        next_launch_args(rule, group, state, 7, device)
+
+
 def launch_costs() -> dict:
     """Host microseconds per call of each step of a launch, on a 64 x 64 layer at 16 tokens."""
     rule = get_rule("adamw")
@@ -59,9 +67,12 @@ def launch_costs() -> dict:
     bound = BoundLaunch(w, slots, "adamw", True)
     rule_pass = BoundLaunch(w, slots, "adamw", True, grad_given=True)
     grad = torch.zeros(64, 64, device="cuda")
+    layer_states = [ForgeState(rule, "bf16", transposed=False) for _ in range(LAYERS_A_STEP)]
     calls = {
         "pack_args": lambda: pack_args(rule.prepare(group, dict(state.host)), 1, 7, "cuda"),
         "next_launch_args": lambda: next_launch_args(rule, group, state, 7, w.device),
+        # a step of a model's fused layers, the way its backward asks: one table copy a step
+        "next_launch_args_in_a_step": lambda: step_of_launch_args(rule, group, layer_states, w.device),
         "fused_launch_arguments": lambda: fused_launch_arguments(x, dy, w, slots, args, stats, "adamw", True),
         "launch_fused_update": lambda: launch_fused_update(x, dy, w, slots, args, stats, "adamw", True),
         "triton_jit_dispatch": lambda: fused_update_kernel[grid](*positional, **constexprs, num_warps=4,
@@ -77,6 +88,7 @@ def launch_costs() -> dict:
         persistent = PersistentLaunch(w, slots, stats, RULE_UPDATES["adamw"], True)
         calls["persistent_bound"] = lambda: persistent(x, dy, args, stats)
     costs = {name: per_call_us(fn) for name, fn in calls.items()}
+    costs["next_launch_args_in_a_step"] /= LAYERS_A_STEP  # per launch
     print("us per call (host, 64 x 64 layer, 16 tokens):")
     for name, us in costs.items():
         print(f"  {name:24s}{us:8.1f}")

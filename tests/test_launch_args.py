@@ -3,15 +3,17 @@ bit patterns of the rule's constants, then step, salt and first row as int32), t
 arguments that advance a state by one step, and the table a captured step records and
 refreshes before every replay."""
 
+import gc
 import struct
 
 import numpy as np
 import pytest
 import torch
 
-from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, HostRing, args_words, next_launch_args, pack_args
+from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, args_words, next_launch_args, pack_args
 from forge_hf.core.rules import NUM_SCALARS, get_rule, make_group
 from forge_hf.core.state import ForgeState
+from forge_hf.core.step_rows import StepRows, rows_for
 
 SCALARS = [1e-3, -0.0, 0.1, 1 / 3, 3.0e38, -1.5, 2.0**-130, float("inf"), 0.9, 0.999, 1e-8, -7.0]
 
@@ -62,7 +64,7 @@ def test_next_launch_args_advance_the_state_by_one_step(rule_name):
 
 
 @pytest.mark.gpu
-def test_eager_arguments_on_a_gpu_refill_one_device_row_per_state():
+def test_eager_arguments_on_a_gpu_keep_one_device_row_per_state():
     rule = get_rule("adamw")
     group = make_group(rule, {})
     a, b = ForgeState(rule, "fp32"), ForgeState(rule, "fp32")
@@ -77,25 +79,28 @@ def test_eager_arguments_on_a_gpu_refill_one_device_row_per_state():
 
 
 @pytest.mark.gpu
-def test_the_host_ring_lets_every_copy_leave_before_its_row_is_written_again():
-    """The GPU is held up while the host goes round the ring several times, and for a while
-    the launches go to another stream: each launch must still read its own words."""
+def test_each_launch_reads_its_own_words_while_the_gpu_lags_and_streams_change():
+    """The GPU is held up while the host runs many steps ahead, their rows rewritten by one
+    copy a step, and for a while the launches go to another stream: each launch must still
+    read its own words (a clone on its stream stands for the kernel)."""
     rule = get_rule("adamw")
     group = make_group(rule, {})
     states = [ForgeState(rule, "fp32") for _ in range(3)]
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     seen, expected = [], []
     torch.cuda._sleep(50_000_000)  # ~25 ms: the copies queue up behind it
-    for i in range(3 * HostRing.ROWS + 7):
+    for i in range(3 * 60):
         state = states[i % 3]
-        stream = side if 300 <= i < 340 else main
-        stream.wait_stream(main if stream is side else side)
+        stream = side if 90 <= i < 120 else main
         with torch.cuda.stream(stream):
+            if i % 3 == 0:
+                group["lr"] = 1e-3 * (1 + i // 3)  # a scheduler between steps
             args = next_launch_args(rule, group, state, salt=i, device="cuda")
-            seen.append(args.clone())  # what a kernel launched here would read
-        expected.append((state.step, i))
+            seen.append(args.clone())
+        expected.append((state.step, i, args_words(rule.prepare(group, dict(state.host, step=state.step - 1)),
+                                                  state.step, i)))
     torch.cuda.synchronize()
-    got = [(int(a[NUM_SCALARS]), int(a[NUM_SCALARS + 1])) for a in torch.stack(seen).cpu()]
+    got = [(int(a[NUM_SCALARS]), int(a[NUM_SCALARS + 1]), a.tolist()) for a in torch.stack(seen).cpu()]
     assert got == expected
 
 
@@ -192,3 +197,101 @@ def test_the_table_refuses_more_rows_than_its_capacity_and_nested_captures():
     # outside a capture the eager path is back
     expected = pack_args(rule.prepare(group, dict(state.host, step=0)), 1, 0, "cpu")
     assert torch.equal(next_launch_args(rule, group, state, 0, "cpu"), expected)
+
+
+# ------------------------------------------------------------- the eager rows
+
+
+def _count_copies(monkeypatch) -> list[int]:
+    """How many table copies the eager rows make (one list entry each)."""
+    copies = []
+    write = StepRows._write
+
+    def counted(self, i, key):
+        copies.append(i)
+        write(self, i, key)
+    monkeypatch.setattr(StepRows, "_write", counted)
+    return copies
+
+
+@pytest.mark.parametrize("rule_name", ["adamw", "nadam"])
+def test_eager_rows_hold_each_launchs_words_with_one_copy_a_step(rule_name, monkeypatch):
+    """Tensors stepped in turn, step after step, with a scheduler between steps: every
+    launch reads the words of its own step, and after the first step the whole step's rows
+    go to the device in one copy."""
+    rule = get_rule(rule_name)
+    groups = [make_group(rule, dict(lr=1e-3, weight_decay=0.1)), make_group(rule, dict(lr=1e-3, weight_decay=0.0))]
+    states, shadows = _states(rule, 5), [rule.host_init() for _ in range(5)]
+    copies = _count_copies(monkeypatch)
+    for step in range(1, 6):
+        for g in groups:
+            g["lr"] = 1e-3 / step
+        before = len(copies)
+        for i, (state, shadow) in enumerate(zip(states, shadows)):
+            args = next_launch_args(rule, groups[i % 2], state, salt=100 + i, device="cpu", row0=i)
+            expected = args_words(rule.prepare(groups[i % 2], shadow), shadow["step"], 100 + i, i)
+            assert args.tolist() == expected, (step, i)
+            assert state.host == shadow
+        if step > 1:
+            assert len(copies) - before == 1, f"step {step}: {len(copies) - before} copies"
+
+
+def test_eager_rows_follow_changes_within_a_step():
+    """What the prediction cannot know is caught at the launch: a learning rate changed in
+    the middle of a step, counters loaded from a checkpoint, a new salt, a new tensor."""
+    rule = get_rule("adamw")
+    group = make_group(rule, dict(lr=1e-3))
+    states = _states(rule, 3)
+    for state in states:
+        next_launch_args(rule, group, state, salt=1, device="cpu")
+    next_launch_args(rule, group, states[0], salt=1, device="cpu")  # step 2 begins: rows predicted
+    group["lr"] = 5e-4
+    args = next_launch_args(rule, group, states[1], salt=1, device="cpu")
+    assert args.tolist() == args_words(rule.prepare(group, {"step": 1}), 2, 1)
+    states[2].host = {"step": 40}  # loaded
+    args = next_launch_args(rule, group, states[2], salt=9, device="cpu", row0=8)
+    assert args.tolist() == args_words(rule.prepare(group, {"step": 40}), 41, 9, 8)
+    fresh = ForgeState(rule, "fp32")
+    assert next_launch_args(rule, group, fresh, salt=3, device="cpu").tolist() == \
+        args_words(rule.prepare(group, {"step": 0}), 1, 3)
+
+
+def test_a_bad_hyperparameter_fails_only_its_own_launch_and_moves_nothing():
+    rule = get_rule("adamw")
+    good, bad = make_group(rule, dict(lr=1e-3)), make_group(rule, dict(lr=1e-3))
+    a, b = _states(rule, 2)
+    next_launch_args(rule, good, a, 1, "cpu")
+    next_launch_args(rule, bad, b, 2, "cpu")
+    bad["betas"] = (0.3, 0.999)
+    args = next_launch_args(rule, good, a, 1, "cpu")  # predicts b's next step, which fails: not a's error
+    assert args.tolist() == args_words(rule.prepare(good, {"step": 1}), 2, 1)
+    with pytest.raises(ValueError, match="0.7"):
+        next_launch_args(rule, bad, b, 2, "cpu")
+    assert b.step == 1
+    bad["betas"] = (0.9, 0.999)
+    assert next_launch_args(rule, bad, b, 2, "cpu").tolist() == args_words(rule.prepare(bad, {"step": 1}), 2, 2)
+
+
+def test_rows_of_states_that_are_gone_are_used_again():
+    rule = get_rule("adamw")
+    group = make_group(rule, {})
+    rows = rows_for(torch.device("cpu"))
+    kept = _states(rule, 2)
+    for state in kept:
+        next_launch_args(rule, group, state, 0, "cpu")
+    gone = _states(rule, 4)
+    for state in gone:
+        next_launch_args(rule, group, state, 0, "cpu")
+    used = len(rows._rows)
+    del gone, state
+    gc.collect()
+    next_launch_args(rule, group, kept[0], 0, "cpu")  # a step's copy finds the rows free
+    for _ in range(3):
+        newer = _states(rule, 4)
+        for s in newer:
+            assert next_launch_args(rule, group, s, 5, "cpu").tolist() == args_words(
+                rule.prepare(group, {"step": 0}), 1, 5)
+        del newer, s
+        gc.collect()
+        next_launch_args(rule, group, kept[0], 0, "cpu")
+    assert len(rows._rows) == used

@@ -72,6 +72,18 @@ def _check_one_process(layer) -> None:
     layer.__dict__["_forge_one_process"] = True
 
 
+_APPLY = torch._C._FunctionBase.__dict__["apply"]  # Function.apply without its Python wrapper
+
+
+def apply_function(function: type[torch.autograd.Function], *args):
+    """``function.apply(*args)``. Function.apply's Python wrapper (signature binding,
+    functorch's dead-wrapper unwrapping) costs a few microseconds a call, a fused layer's
+    forward every step; it is needed only while a functorch transform is active."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return _APPLY.__get__(None, function)(*args)
+
+
 class ForgeFallbackWarning(UserWarning):
     """A fused layer switched to the ordinary optimizer path (the message names it)."""
 
@@ -90,7 +102,8 @@ class FusedWeightFunction(torch.autograd.Function):
         ctx.layer = layer
         ctx.save_for_backward(x)  # not the weight: it is overwritten during backward
         layer.forge_track(ctx)
-        bias = None if bias is None else as_dtype(bias, x.dtype)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
         return F.linear(x, as_dtype(layer.forge_weight_view(), x.dtype), bias)
 
     @staticmethod
@@ -106,15 +119,19 @@ def fused_backward(ctx, x, dy, anchor_index, need_dx):
     (..., anchor at ``anchor_index``, bias, layer) and whose layer input is ``x``."""
     layer = ctx.layer
     refuse_second_backward(layer, getattr(ctx, "forge_stepped", False))
-    n_out, n_in = dy.shape[-1], x.shape[-1]  # the weight's (out, in)
     dx = input_gradient(layer, dy) if need_dx else None
-    dy2 = dy.reshape(-1, n_out)
+    dy2 = _rows(dy)
     db = dy2.float().sum(0).to(layer.bias.dtype) if ctx.needs_input_grad[anchor_index + 1] else None
     # The anchor's AccumulateGrad stands for the weight: not executed under
     # autograd.grad(outputs, inputs) that leaves the weight out, so no step then.
-    if layer.weight.requires_grad and _in_this_backward(ctx.next_functions[anchor_index][0]):
-        ctx.forge_stepped = layer.forge_consume_gradient(x.reshape(-1, n_in), dy2, ctx)
+    if layer._parameters["weight"].requires_grad and _in_this_backward(ctx.next_functions[anchor_index][0]):
+        ctx.forge_stepped = layer.forge_consume_gradient(_rows(x), dy2, ctx)
     return dx, db
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (tokens, features); a reshape costs host time even when ``t`` is 2-D already."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 class FusedWeightMixin:
@@ -146,28 +163,32 @@ class FusedWeightMixin:
 
     def forge_weight_view(self) -> torch.Tensor:
         """The weight as (out_features, in_features), a view of the parameter."""
-        return self.weight.t() if self.forge_transposed else self.weight
+        weight = self._parameters["weight"]  # not through nn.Module.__getattr__: called a few times a step
+        return weight.t() if self.forge_transposed else weight
 
     def forge_consume_gradient(self, x2: torch.Tensor, dy2: torch.Tensor, node=None) -> bool:
         """Step the weight with G = dy2^T x2, or, when fusion is off for this layer (or
         ``node``'s backward finds another consumer of the weight), add G to ``weight.grad``
         for the ordinary optimizer. Returns whether the weight was stepped."""
+        if torch.is_grad_enabled():  # a backward with create_graph=True: the step is not differentiable
+            with torch.no_grad():
+                return self.forge_consume_gradient(x2, dy2, node)
         if self.forge_enabled and node is not None:
             reason = self.forge_conflict(node)
             if reason:
                 self.forge_fall_back(reason)
-        with torch.no_grad():  # inexpensive where grad mode is already off (a backward)
-            if not self.forge_enabled:
-                g = dy2.float().t() @ x2.float()
-                g = (g.t() if self.forge_transposed else g).to(self.weight.dtype)
-                if self.weight.grad is None:
-                    self.weight.grad = g.contiguous()
-                else:
-                    self.weight.grad.add_(g)
-                return False
-            self.forge_fused_step(x2, dy2)
-            # A node that saved the weight and runs later must fail, not use the new value.
-            torch.autograd.graph.increment_version(self.weight)
+        weight = self._parameters["weight"]
+        if not self.forge_enabled:
+            g = dy2.float().t() @ x2.float()
+            g = (g.t() if self.forge_transposed else g).to(weight.dtype)
+            if weight.grad is None:
+                weight.grad = g.contiguous()
+            else:
+                weight.grad.add_(g)
+            return False
+        self.forge_fused_step(x2, dy2)
+        # A node that saved the weight and runs later must fail, not use the new value.
+        torch.autograd.graph.increment_version(weight)
         d = self.__dict__  # per-step bookkeeping: plain attributes, past nn.Module.__setattr__
         d["_forge_updates"] = d.get("_forge_updates", 0) + 1
         return True
@@ -183,10 +204,14 @@ class FusedWeightMixin:
     def forge_track(self, node) -> None:
         """Called by each fused forward: remember the node weakly (forge_conflict)."""
         d = self.__dict__
-        nodes = [r for r in d.get("_forge_nodes", ()) if r() is not None]
-        nodes.append(weakref.ref(node))
-        d["_forge_nodes"] = nodes
-        self.forge_arm()
+        nodes = d.get("_forge_nodes")
+        if nodes is None or (len(nodes) == 1 and nodes[0]() is None):  # the usual case: last step's node is gone
+            d["_forge_nodes"] = [weakref.ref(node)]
+        else:
+            d["_forge_nodes"] = [*(r for r in nodes if r() is not None), weakref.ref(node)]
+        hook = d.get("_forge_hook")
+        if hook is None or hook[0]() is not d["_parameters"]["weight"]:
+            self.forge_arm()
 
     def forge_arm(self) -> None:
         """Hook the weight's gradient accumulation (once per Parameter object)."""
@@ -204,7 +229,7 @@ class FusedWeightMixin:
 
     def forge_conflict(self, node) -> str | None:
         """Why the weight must not be stepped in ``node``'s backward, or None."""
-        weight = self.weight
+        weight = self._parameters["weight"]
         if weight.grad is not None:
             return "its weight already holds a gradient (.grad was set outside the module)"
         nodes = self.__dict__.get("_forge_nodes", ())
@@ -280,12 +305,14 @@ class FusedWeightMixin:
         self.forge_arm()
         self._forge_anchor = new_anchor(self)  # a copy's own key for the compiled ops
 
-    @torch.no_grad()
     def forge_fused_step(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
-        rule, group, state = self.forge_rule, self.forge_group, self.forge_state
-        weight, param = self.forge_weight_view().data, self.weight
+        """Step the weight with dy2^T x2 (in no-grad mode: forge_consume_gradient)."""
+        d = self.__dict__
+        rule, group, state = d["forge_rule"], d["forge_group"], d["forge_state"]
+        param = d["_parameters"]["weight"]
+        weight = param.t() if self.forge_transposed else param
         dp = self.forge_dp
-        if dp is None and not self.__dict__.get("_forge_one_process", False):
+        if dp is None and not d.get("_forge_one_process", False):
             _check_one_process(self)
         start = 0
         if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
@@ -297,13 +324,15 @@ class FusedWeightMixin:
             else:  # the same band of the parameter itself: its columns when stored (in, out)
                 weight = weight[start:stop]
                 param = param[:, start:stop] if self.forge_transposed else param[start:stop]
-        state.allocate(param, group, transposed=self.forge_transposed)
-        device = self.weight.device
-        if self.forge_stats.device != device:
-            self.forge_stats = self.forge_stats.to(device)
+        if not state.allocated:
+            state.allocate(param, group, transposed=self.forge_transposed)
+        device = weight.device
+        stats = d["forge_stats"]
+        if stats.device != device:
+            stats = self.forge_stats = stats.to(device)
         args = next_launch_args(rule, group, state, self.forge_salt(), device, start)
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
-            self.forge_launcher(weight, state)(x2, dy2, args, self.forge_stats)
+            self.forge_launcher(weight, state)(x2, dy2, args, stats)
         if dp is not None:
             dp.share_rows(self.forge_weight_view().data)
 
@@ -334,7 +363,8 @@ class FusedWeightMixin:
             dp.wait()
 
     def forge_active(self) -> bool:
-        return self.forge_enabled and self.training and torch.is_grad_enabled() and self.weight.requires_grad
+        return (self.forge_enabled and self.training and torch.is_grad_enabled()
+                and self._parameters["weight"].requires_grad)
 
     def forge_forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # custom ops torch.compile traces (compiled_linear.py)
@@ -356,13 +386,14 @@ class FusedWeightMixin:
         dp = self.forge_dp
         if dp is not None:
             dp.announce_tokens(x.numel() // max(x.shape[-1], 1))
-        dev = x.device.type
+        bias = self._parameters.get("bias")
+        dev = "cuda" if x.is_cuda else x.device.type
         if torch.is_autocast_enabled(dev):
             # autocast does not reach inside a custom Function: cast as it would for linear
             inputs = [t.to(torch.get_autocast_dtype(dev)) for t in inputs]
             with torch.autocast(dev, enabled=False):
-                return function.apply(*inputs, anchor, self.bias, self)
-        return function.apply(*inputs, anchor, self.bias, self)
+                return function.apply(*inputs, anchor, bias, self)
+        return apply_function(function, *inputs, anchor, bias, self)
 
     @classmethod
     def forge_adopt(cls, module: nn.Module, **forge_options):
@@ -409,11 +440,12 @@ class ForgeLinear(FusedWeightMixin, nn.Linear):
         return self.forge_release(nn.Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():  # compiled: the fused op notes the call when it runs
-            self.forge_note_call()
+        if torch.compiler.is_compiling():  # the fused op notes the call when it runs
+            return compiled_forward(self, x) if self.forge_active() else F.linear(x, self.weight, self.bias)
+        self.forge_note_call()
         if not self.forge_active():
             return F.linear(x, self.weight, self.bias)
-        return self.forge_forward(x)
+        return self.forge_apply(FusedWeightFunction, x)
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, {self.forge_extra_repr()}"

@@ -1,0 +1,164 @@
+"""Eager launch arguments: one table of argument rows per device, a row per stepped
+tensor, written to the device by one copy a step rather than one a launch.
+
+A launch whose row already holds its step's words uses it as it is: its state's counters
+move on and nothing is copied. Otherwise (the first launch of a step, a changed learning
+rate, a new tensor) the launch predicts the next step of every row, from its state's
+counters and its group's hyperparameters as they are now, and copies the whole table at
+once; the other tensors' launches in that step then find their rows ready. Rows of one rule,
+hyperparameter values and counters share one ``prepare``.
+
+Kernels launched before a copy on the same stream read the table before it changes
+(stream order); a launch from another stream first makes its stream wait for the previous
+one. A host buffer is written again only after its last copy has left it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from .arg_words import ARGS_LEN, ROW_STRIDE, STEP_WORDS, int32, prepare_step, step_key
+
+
+class _Row:
+    __slots__ = ("state", "rule", "group", "statics", "key", "after")
+
+    def __init__(self, state, rule, group, statics):
+        self.state = weakref.ref(state)
+        self.rule, self.group, self.statics = rule, group, statics  # statics: (salt, first row)
+        self.key = None  # the step_key whose words the device row holds (None: none known)
+        self.after = None  # the counters after that step
+
+
+class StepRows:
+    """The eager argument rows of one device (``rows_for(device)``)."""
+
+    HOST_BUFFERS = 2
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # state -> row
+        self._rows: list[_Row] = []
+        self._free: set[int] = set()  # rows of states that are gone
+        self._capacity = 0
+        self._views: list[torch.Tensor] = []
+        self._retired: list[torch.Tensor] = []  # earlier tables: kernels in flight may still read them
+        self._stream = None  # the CUDA stream of the last launch, and its raw handle
+        self._raw_stream = None
+
+    def args(self, rule, group: dict, state, salt: int, row0: int) -> torch.Tensor:
+        """Advance ``state`` by one step of ``rule`` and return its row, holding that step's
+        words on the device by the time a kernel launched next on this stream reads it."""
+        i = self._index.get(state)
+        if i is None:
+            i = self._add(state, rule, group, (salt, row0))
+        row = self._rows[i]
+        row.rule, row.group = rule, group
+        if row.statics != (salt, row0):
+            row.statics, row.key = (salt, row0), None
+        if self._cuda:
+            self._follow_stream()
+        key = step_key(rule, group, state.host)
+        if key is None or row.key != key:
+            self._write(i, key)
+        state.host = dict(row.after)
+        return self._views[i]
+
+    def _follow_stream(self) -> None:
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        if raw != self._raw_stream:
+            stream = torch.cuda.current_stream(self.device)
+            if self._stream is not None:  # its kernels may not have read the rows yet
+                stream.wait_stream(self._stream)
+            self._stream, self._raw_stream = stream, raw
+
+    def _add(self, state, rule, group, statics) -> int:
+        row = _Row(state, rule, group, statics)
+        if self._free:
+            i = self._free.pop()
+            self._rows[i] = row
+        else:
+            i = len(self._rows)
+            self._rows.append(row)
+            if i == self._capacity:
+                self._grow()
+        self._index[state] = i
+        return i
+
+    def _grow(self) -> None:
+        capacity = max(64, 2 * self._capacity)
+        table = torch.zeros(capacity, ROW_STRIDE, dtype=torch.int32, device=self.device)
+        if self._views:
+            self._retired.append(self._table)
+        self._table = table
+        self._views = [r[:ARGS_LEN] for r in table]  # views made once: a view costs host time
+        pinned = self._cuda
+        self._hosts = [torch.zeros(capacity, ROW_STRIDE, dtype=torch.int32, pin_memory=pinned)
+                       for _ in range(self.HOST_BUFFERS)]
+        self._copied = [None] * self.HOST_BUFFERS
+        self._next = 0
+        self._capacity = capacity
+        for row in self._rows:
+            row.key = None  # the new table holds nothing yet
+
+    def _write(self, i: int, key) -> None:
+        """Row ``i``'s next step from its state's counters (an error in it moves nothing),
+        every other row's predicted, then one copy of the table."""
+        launching = self._rows[i]
+        launching.after, words = prepare_step(launching.rule, launching.group, launching.state().host)
+        launching.key = key
+        shared = {} if key is None else {key: (launching.after, words)}
+        n = len(self._rows)
+        step_words = np.empty((n, STEP_WORDS), dtype=np.int32)
+        statics = np.empty((n, 2), dtype=np.int32)
+        for j, row in enumerate(self._rows):
+            statics[j] = [int32(v) for v in row.statics]
+            if j == i:
+                step_words[j] = words
+                continue
+            state = row.state()
+            row_key = None if state is None else step_key(row.rule, row.group, state.host)
+            if row_key is None:
+                if state is None:
+                    self._free.add(j)
+                row.key = None
+                step_words[j] = 0
+                continue
+            hit = shared.get(row_key)
+            if hit is None:
+                try:
+                    hit = shared[row_key] = prepare_step(row.rule, row.group, state.host)
+                except Exception:  # its own launch raises it, before anything of that tensor moves
+                    row.key = None
+                    step_words[j] = 0
+                    continue
+            row.key, row.after = row_key, hit[0]
+            step_words[j] = hit[1]
+        b = self._next
+        self._next = (b + 1) % self.HOST_BUFFERS
+        if self._copied[b] is not None:
+            self._copied[b].synchronize()  # its last copy has left: it may be written again
+        host = self._hosts[b]
+        words = host.numpy()
+        words[:n, :STEP_WORDS] = step_words
+        words[:n, STEP_WORDS:ARGS_LEN] = statics
+        self._table[:n].copy_(host[:n], non_blocking=self._cuda)
+        if self._cuda:
+            self._copied[b] = torch.cuda.Event()
+            self._copied[b].record()
+
+
+_TABLES: dict[tuple[str, int | None], StepRows] = {}
+
+
+def rows_for(device: torch.device) -> StepRows:
+    """The eager rows of ``device`` (a CUDA device with its index)."""
+    key = (device.type, device.index)
+    rows = _TABLES.get(key)
+    if rows is None:
+        rows = _TABLES[key] = StepRows(device)
+    return rows
