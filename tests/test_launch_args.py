@@ -285,13 +285,14 @@ def test_rows_of_states_that_are_gone_are_used_again():
     used = len(rows._rows)
     del gone, state
     gc.collect()
-    next_launch_args(rule, group, kept[0], 0, "cpu")  # a step's copy finds the rows free
     for _ in range(3):
         newer = _states(rule, 4)
         for s in newer:
             assert next_launch_args(rule, group, s, 5, "cpu").tolist() == args_words(
                 rule.prepare(group, {"step": 0}), 1, 5)
+        for s in kept:  # still their own rows and words
+            expected = args_words(rule.prepare(group, dict(s.host)), s.step + 1, 0)
+            assert next_launch_args(rule, group, s, 0, "cpu").tolist() == expected
         del newer, s
         gc.collect()
-        next_launch_args(rule, group, kept[0], 0, "cpu")
     assert len(rows._rows) == used

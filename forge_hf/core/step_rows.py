@@ -22,12 +22,14 @@ import torch
 
 from .arg_words import ARGS_LEN, ROW_STRIDE, STEP_WORDS, int32, prepare_step, step_key
 
+_NO_WORDS = [0] * STEP_WORDS  # a row whose next step is not known: its own launch writes it
+
 
 class _Row:
     __slots__ = ("state", "rule", "group", "statics", "key", "after")
 
-    def __init__(self, state, rule, group, statics):
-        self.state = weakref.ref(state)
+    def __init__(self, state, rule, group, statics, free: set[int], index: int):
+        self.state = weakref.ref(state, lambda _: free.add(index))  # the row is free once its state is gone
         self.rule, self.group, self.statics = rule, group, statics  # statics: (salt, first row)
         self.key = None  # the step_key whose words the device row holds (None: none known)
         self.after = None  # the counters after that step
@@ -43,8 +45,9 @@ class StepRows:
         self._cuda = device.type == "cuda"
         self._index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # state -> row
         self._rows: list[_Row] = []
-        self._free: set[int] = set()  # rows of states that are gone
+        self._free: set[int] = set()  # rows whose states are gone
         self._capacity = 0
+        self._statics = np.zeros((0, 2), dtype=np.int32)
         self._views: list[torch.Tensor] = []
         self._retired: list[torch.Tensor] = []  # earlier tables: kernels in flight may still read them
         self._stream = None  # the CUDA stream of the last launch, and its raw handle
@@ -60,6 +63,7 @@ class StepRows:
         row.rule, row.group = rule, group
         if row.statics != (salt, row0):
             row.statics, row.key = (salt, row0), None
+            self._statics[i] = (int32(salt), int32(row0))
         if self._cuda:
             self._follow_stream()
         key = step_key(rule, group, state.host)
@@ -77,16 +81,16 @@ class StepRows:
             self._stream, self._raw_stream = stream, raw
 
     def _add(self, state, rule, group, statics) -> int:
-        row = _Row(state, rule, group, statics)
         if self._free:
             i = self._free.pop()
-            self._rows[i] = row
+            self._rows[i] = _Row(state, rule, group, statics, self._free, i)
         else:
             i = len(self._rows)
-            self._rows.append(row)
+            self._rows.append(_Row(state, rule, group, statics, self._free, i))
             if i == self._capacity:
                 self._grow()
         self._index[state] = i
+        self._statics[i] = [int32(v) for v in statics]
         return i
 
     def _grow(self) -> None:
@@ -97,6 +101,9 @@ class StepRows:
         self._table = table
         self._views = [r[:ARGS_LEN] for r in table]  # views made once: a view costs host time
         pinned = self._cuda
+        statics = np.zeros((capacity, 2), dtype=np.int32)  # each row's salt and first row
+        statics[:self._capacity] = self._statics
+        self._statics = statics
         self._hosts = [torch.zeros(capacity, ROW_STRIDE, dtype=torch.int32, pin_memory=pinned)
                        for _ in range(self.HOST_BUFFERS)]
         self._copied = [None] * self.HOST_BUFFERS
@@ -113,31 +120,25 @@ class StepRows:
         launching.key = key
         shared = {} if key is None else {key: (launching.after, words)}
         n = len(self._rows)
-        step_words = np.empty((n, STEP_WORDS), dtype=np.int32)
-        statics = np.empty((n, 2), dtype=np.int32)
+        step_words = []
         for j, row in enumerate(self._rows):
-            statics[j] = [int32(v) for v in row.statics]
             if j == i:
-                step_words[j] = words
+                step_words.append(words)
                 continue
             state = row.state()
             row_key = None if state is None else step_key(row.rule, row.group, state.host)
-            if row_key is None:
-                if state is None:
-                    self._free.add(j)
-                row.key = None
-                step_words[j] = 0
-                continue
-            hit = shared.get(row_key)
-            if hit is None:
+            hit = None if row_key is None else shared.get(row_key)
+            if hit is None and row_key is not None:
                 try:
                     hit = shared[row_key] = prepare_step(row.rule, row.group, state.host)
                 except Exception:  # its own launch raises it, before anything of that tensor moves
-                    row.key = None
-                    step_words[j] = 0
-                    continue
-            row.key, row.after = row_key, hit[0]
-            step_words[j] = hit[1]
+                    pass
+            if hit is None:
+                row.key = None
+                step_words.append(_NO_WORDS)
+            else:
+                row.key, row.after = row_key, hit[0]
+                step_words.append(hit[1])
         b = self._next
         self._next = (b + 1) % self.HOST_BUFFERS
         if self._copied[b] is not None:
@@ -145,7 +146,7 @@ class StepRows:
         host = self._hosts[b]
         words = host.numpy()
         words[:n, :STEP_WORDS] = step_words
-        words[:n, STEP_WORDS:ARGS_LEN] = statics
+        words[:n, STEP_WORDS:ARGS_LEN] = self._statics[:n]
         self._table[:n].copy_(host[:n], non_blocking=self._cuda)
         if self._cuda:
             self._copied[b] = torch.cuda.Event()
