@@ -5,6 +5,7 @@ refreshes before every replay."""
 
 import gc
 import struct
+import weakref
 
 import numpy as np
 import pytest
@@ -296,3 +297,17 @@ def test_rows_of_states_that_are_gone_are_used_again():
         del newer, s
         gc.collect()
     assert len(rows._rows) == used
+
+
+def test_the_rows_let_go_of_a_group_once_its_state_is_gone():
+    """An optimizer's param group holds its parameters: a row must not keep them alive after
+    the optimizer (and with it the state) is dropped."""
+    rule = get_rule("adamw")
+    param = torch.zeros(3)
+    group = {**make_group(rule, {}), "params": [param]}
+    state = ForgeState(rule, "fp32")
+    next_launch_args(rule, group, state, 0, "cpu")
+    alive = weakref.ref(param)
+    del group, state, param
+    gc.collect()
+    assert alive() is None

@@ -26,13 +26,20 @@ _NO_WORDS = [0] * STEP_WORDS  # a row whose next step is not known: its own laun
 
 
 class _Row:
-    __slots__ = ("state", "rule", "group", "statics", "key", "after")
+    __slots__ = ("state", "rule", "group", "statics", "key", "after", "_free", "_index")
 
     def __init__(self, state, rule, group, statics, free: set[int], index: int):
-        self.state = weakref.ref(state, lambda _: free.add(index))  # the row is free once its state is gone
+        self.state = weakref.ref(state, self._gone)
         self.rule, self.group, self.statics = rule, group, statics  # statics: (salt, first row)
         self.key = None  # the step_key whose words the device row holds (None: none known)
         self.after = None  # the counters after that step
+        self._free, self._index = free, index
+
+    def _gone(self, _) -> None:
+        """Its state is gone: the row is free, and lets go of the group (an optimizer's param
+        group holds its parameters)."""
+        self.rule = self.group = None
+        self._free.add(self._index)
 
 
 class StepRows:
