@@ -110,9 +110,10 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     if resolve_backend(backend, weight.device) is not launch_fused_update:
         return fused  # the reference: no Triton for the rule pass, and the same arithmetic anyway
     rule_pass = BoundLaunch(weight, slots, rule_name, stochastic, grad_given=True)
+    scratch = scratch_for(weight.device)
 
     def two_pass(x, dy, args, stats):
-        grad = weight_gradient(x, dy, weight, scratch_for(weight.device))
+        grad = weight_gradient(x, dy, weight, scratch)
         rule_pass(grad, grad, args, stats)
 
     def measure(x, dy, args) -> dict[str, float]:

@@ -38,6 +38,7 @@ class GradientScratch:
         self.allocations = 0
         self._captured = False
         self._outgrown: list[torch.Tensor] = []  # buffers a captured graph still writes
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (rows, cols) -> view of the buffer
 
     def view(self, rows: int, cols: int) -> torch.Tensor:
         """A (rows, cols) fp32 view of the buffer's first rows * cols elements."""
@@ -52,8 +53,13 @@ class GradientScratch:
                     "a capture cannot grow it. Run a step eagerly first (GraphedStep's warm-up steps do), or "
                     "set FORGE_HF_WGRAD=fused")
             self._grow(need)
-        self._captured |= capturing
-        return self.buffer[:need].view(rows, cols)
+        if capturing:
+            self._captured = True
+            return self.buffer[:need].view(rows, cols)
+        view = self._views.get((rows, cols))  # made once a shape: a view costs host time at every layer
+        if view is None:
+            view = self._views[(rows, cols)] = self.buffer[:need].view(rows, cols)
+        return view
 
     def _grow(self, numel: int) -> None:
         old, self.buffer = self.buffer, None
@@ -65,6 +71,7 @@ class GradientScratch:
                 # allocated on; once they finish, freeing it cannot race them (a rare wait:
                 # only when a larger layer first takes this path).
                 torch.cuda.synchronize(self.device)
+        self._views.clear()
         del old  # back to the allocator before the larger block is taken
         self.buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
         self.allocations += 1

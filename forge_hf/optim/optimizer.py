@@ -270,26 +270,30 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """The fused kernel's rule and store on an existing gradient, its sums added into
         ``stats`` (default: a new pair). A non-finite tile is skipped and counted tile by
         tile, as in a fused layer."""
+        shape = None
         if w.dim() != 2:  # norms and biases: one row; an FSDP2 shard of one: a column, so that
             # the launch's first row (the shard's offset) gives each element its whole-tensor index
             if any(isinstance(s, QuantisedSlot) for s in slots) or not w.is_contiguous():
                 raise RuntimeError(f"cannot step a {tuple(w.shape)} tensor in place: make it contiguous")
             shape = (-1, 1) if sharded else (1, -1)
-            w, g = w.view(shape), g.reshape(shape)
-            slots = [None if s is None else s.view(shape) for s in slots]
+            g = g.reshape(shape)
         if stats is None:
             stats = torch.zeros(2, dtype=torch.float32, device=w.device)
-        self._launch_for(p, w.data, slots)(g, g, args, stats)
+        self._launch_for(p, w, slots, shape)(g, g, args, stats)
         return stats[0], stats[1]
 
-    def _launch_for(self, p, w, slots) -> BoundLaunch:
-        """``p``'s bound rule pass (kernels/bound_launch.py), made again when its weight or a
-        state slot moved (a load, an allocation, ``model.to``)."""
-        key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype,
+    def _launch_for(self, p, w, slots, shape) -> BoundLaunch:
+        """``p``'s bound rule pass (kernels/bound_launch.py) on ``w`` and its slots, viewed as
+        ``shape`` if given, made again when the weight or a state slot moved (a load, an
+        allocation, ``model.to``)."""
+        key = (shape, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype,
                *(None if s is None else (s.codes.data_ptr(), s.meta.data_ptr()) if isinstance(s, QuantisedSlot)
                  else (s.data_ptr(), s.dtype) for s in slots))
         bound = self._launches.get(p)
         if bound is None or bound[0] != key:
+            w = w.detach()
+            if shape is not None:  # viewed once, not at every step: a view costs host time
+                w, slots = w.view(shape), [None if s is None else s.view(shape) for s in slots]
             bound = self._launches[p] = (key, BoundLaunch(w, slots, self.rule.name, self.stochastic, grad_given=True))
         return bound[1]
 
