@@ -311,3 +311,34 @@ def test_the_rows_let_go_of_a_group_once_its_state_is_gone():
     del group, state, param
     gc.collect()
     assert alive() is None
+
+
+def test_a_group_with_betas_as_a_list_still_shares_one_copy_a_step(monkeypatch):
+    """torch.optim keeps hyperparameters as given: ``betas=[0.9, 0.999]`` must not make
+    every launch copy."""
+    rule = get_rule("adamw")
+    group = {**make_group(rule, {}), "betas": [0.9, 0.999], "params": [torch.zeros(2)]}
+    states = _states(rule, 4)
+    copies = _count_copies(monkeypatch)
+    for step in range(1, 4):
+        before = len(copies)
+        for i, state in enumerate(states):
+            expected = args_words(rule.prepare(group, dict(state.host)), step, i)
+            assert next_launch_args(rule, group, state, i, "cpu").tolist() == expected
+        if step > 1:
+            assert len(copies) - before == 1
+
+
+def test_a_group_whose_key_cannot_be_formed_still_gets_its_words(monkeypatch):
+    """An unhashable hyperparameter the rule still reads (betas as a numpy array): nothing
+    is shared, each launch writes its own row alone."""
+    rule = get_rule("adamw")
+    plain, odd = make_group(rule, {}), {**make_group(rule, {}), "betas": np.array([0.9, 0.999])}
+    other, state = _states(rule, 2)
+    copies = _count_copies(monkeypatch)
+    for step in range(1, 4):
+        next_launch_args(rule, plain, other, 0, "cpu")
+        expected = args_words(rule.prepare(plain, {"step": step - 1}), step, 3)
+        assert next_launch_args(rule, odd, state, 3, "cpu").tolist() == expected
+        assert state.step == step
+    assert len(copies) == 3 + 3  # the plain tensor's step, and the odd one's at every launch

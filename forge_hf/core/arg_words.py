@@ -50,16 +50,28 @@ def prepare_step(rule, group: dict, host: dict) -> tuple[dict, list[int]]:
 _HYPERPARAMETERS: dict[str, operator.itemgetter] = {}
 
 
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value  # betas given as a list
+
+
 def step_key(rule, group: dict, host: dict) -> tuple | None:
     """What a step's words depend on: the rule, the values of its hyperparameters in
     ``group`` and the counters ``host``. Equal keys give equal words. None where it cannot
     be formed (a hyperparameter missing or unhashable): then nothing is shared."""
     getter = _HYPERPARAMETERS.get(rule.name)
-    if getter is None:
+    if getter is None:  # every rule has several hyperparameters: the getter returns a tuple
         getter = _HYPERPARAMETERS[rule.name] = operator.itemgetter(*rule.defaults)
     try:
-        key = (id(rule), getter(group), *host.items())
+        values = getter(group)
+        key = (id(rule), values, *host.items())
         hash(key)
-    except (KeyError, TypeError):
+        return key
+    except KeyError:
+        return None
+    except TypeError:
+        key = (id(rule), tuple(map(_hashable, values)), *host.items())
+    try:
+        hash(key)
+    except TypeError:
         return None
     return key

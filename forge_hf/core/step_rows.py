@@ -121,12 +121,15 @@ class StepRows:
 
     def _write(self, i: int, key) -> None:
         """Row ``i``'s next step from its state's counters (an error in it moves nothing),
-        every other row's predicted, then one copy of the table."""
+        every other row's predicted, then one copy of the table. Without a key for row ``i``
+        (nothing can be shared with it) row ``i`` alone."""
         launching = self._rows[i]
         launching.after, words = prepare_step(launching.rule, launching.group, launching.state().host)
         launching.key = key
-        shared = {} if key is None else {key: (launching.after, words)}
-        n = len(self._rows)
+        if key is None:
+            self._copy([words], slice(i, i + 1))
+            return
+        shared = {key: (launching.after, words)}
         step_words = []
         for j, row in enumerate(self._rows):
             if j == i:
@@ -146,15 +149,20 @@ class StepRows:
             else:
                 row.key, row.after = row_key, hit[0]
                 step_words.append(hit[1])
+        self._copy(step_words, slice(0, len(self._rows)))
+
+    def _copy(self, step_words: list, rows: slice) -> None:
+        """The table's ``rows`` = their ``step_words`` and statics, by one copy from the
+        next host buffer."""
         b = self._next
         self._next = (b + 1) % self.HOST_BUFFERS
         if self._copied[b] is not None:
             self._copied[b].synchronize()  # its last copy has left: it may be written again
-        host = self._hosts[b]
-        words = host.numpy()
-        words[:n, :STEP_WORDS] = step_words
-        words[:n, STEP_WORDS:ARGS_LEN] = self._statics[:n]
-        self._table[:n].copy_(host[:n], non_blocking=self._cuda)
+        host = self._hosts[b][rows]
+        table_words = host.numpy()
+        table_words[:, :STEP_WORDS] = step_words
+        table_words[:, STEP_WORDS:ARGS_LEN] = self._statics[rows]
+        self._table[rows].copy_(host, non_blocking=self._cuda)
         if self._cuda:
             self._copied[b] = torch.cuda.Event()
             self._copied[b].record()
