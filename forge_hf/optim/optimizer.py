@@ -188,9 +188,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
                         stats = pooled.get(p.device)
                         if stats is None:
                             stats = pooled[p.device] = torch.zeros(2, device=p.device)
-                    p_sq, p_bad = self._step_tensor(p, group, stats)
                     if stats is not None:
-                        continue  # summed with the others below
+                        self._step_tensor(p, group, stats)  # summed with the others below
+                        continue
+                    p_sq, p_bad = self._step_tensor(p, group, stats)
                     if shards is None:
                         sq += p_sq.to(self._device)
                         bad += p_bad.to(self._device)
@@ -220,9 +221,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
     CHUNK = 1 << 24
 
     def _step_tensor(self, p: torch.Tensor, group: dict, stats: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One rule step of ``p`` from ``p.grad``: (its squared sum, 1 if it was skipped), or
-        with the kernel and ``stats``, those added into ``stats`` (and returned as its items).
+        with the kernel and ``stats``, None: those are added into ``stats``.
 
         A fused layer's weight (fusion switched off) is stepped in the kernels' (out, in)
         view with its layer's state, which may be 8-bit; other states are fp32 or bf16.
@@ -242,7 +243,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         slots = state.kernel_slots()
         if self._kernel:
             args = next_launch_args(self.rule, group, state, self._salt[p], local.device, row0)
-            return self._step_with_kernel(p, w, g, slots, args, stats, sharded=shards is not None)
+            pair = self._step_with_kernel(p, w, g, slots, args, stats, sharded=shards is not None)
+            return None if stats is not None else (pair[0], pair[1])  # indexing a pair costs two ops
         scalars = self.rule.prepare(group, state.host)  # fp32 constants, as the kernels receive them
         consts = torch.tensor(scalars, dtype=torch.float32).to(local.device).unbind()
         ok = torch.isfinite(g).all()
@@ -280,7 +282,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if stats is None:
             stats = torch.zeros(2, dtype=torch.float32, device=w.device)
         self._launch_for(p, w, slots, shape)(g, g, args, stats)
-        return stats[0], stats[1]
+        return stats
 
     def _launch_for(self, p, w, slots, shape) -> BoundLaunch:
         """``p``'s bound rule pass (kernels/bound_launch.py) on ``w`` and its slots, viewed as
