@@ -63,15 +63,12 @@ def step_key(rule, group: dict, host: dict) -> tuple | None:
         getter = _HYPERPARAMETERS[rule.name] = operator.itemgetter(*rule.defaults)
     try:
         values = getter(group)
-        key = (id(rule), values, *host.items())
-        hash(key)
-        return key
     except KeyError:
         return None
-    except TypeError:
-        key = (id(rule), tuple(map(_hashable, values)), *host.items())
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    for key in ((id(rule), values, *host.items()), (id(rule), tuple(map(_hashable, values)), *host.items())):
+        try:
+            hash(key)
+            return key
+        except TypeError:
+            continue
+    return None

@@ -137,12 +137,14 @@ class StepRows:
                 continue
             state = row.state()
             row_key = None if state is None else step_key(row.rule, row.group, state.host)
-            hit = None if row_key is None else shared.get(row_key)
-            if hit is None and row_key is not None:
-                try:
-                    hit = shared[row_key] = prepare_step(row.rule, row.group, state.host)
-                except Exception:  # its own launch raises it, before anything of that tensor moves
-                    pass
+            hit = None
+            if row_key is not None:
+                hit = shared.get(row_key)
+                if hit is None:
+                    try:
+                        hit = shared[row_key] = prepare_step(row.rule, row.group, state.host)
+                    except Exception:  # its own launch raises it, before anything of that tensor moves
+                        pass
             if hit is None:
                 row.key = None
                 step_words.append(_NO_WORDS)

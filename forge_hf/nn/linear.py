@@ -440,12 +440,11 @@ class ForgeLinear(FusedWeightMixin, nn.Linear):
         return self.forge_release(nn.Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # the fused op notes the call when it runs
-            return compiled_forward(self, x) if self.forge_active() else F.linear(x, self.weight, self.bias)
-        self.forge_note_call()
+        if not torch.compiler.is_compiling():  # compiled: the fused op notes the call when it runs
+            self.forge_note_call()
         if not self.forge_active():
             return F.linear(x, self.weight, self.bias)
-        return self.forge_apply(FusedWeightFunction, x)
+        return self.forge_forward(x)
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, {self.forge_extra_repr()}"

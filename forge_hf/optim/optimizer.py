@@ -188,10 +188,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
                         stats = pooled.get(p.device)
                         if stats is None:
                             stats = pooled[p.device] = torch.zeros(2, device=p.device)
-                    if stats is not None:
-                        self._step_tensor(p, group, stats)  # summed with the others below
-                        continue
-                    p_sq, p_bad = self._step_tensor(p, group, stats)
+                    sums = self._step_tensor(p, group, stats)
+                    if sums is None:
+                        continue  # added into the device's pooled stats, summed with the others below
+                    p_sq, p_bad = sums
                     if shards is None:
                         sq += p_sq.to(self._device)
                         bad += p_bad.to(self._device)
