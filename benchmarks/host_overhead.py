@@ -22,7 +22,7 @@ from forge_hf.kernels.dispatch import launch_fused_update
 from forge_hf.kernels.fused_update import RULE_UPDATES, fused_launch_arguments, fused_update_kernel
 from forge_hf.kernels.persistent_launch import PersistentLaunch, launch_persistent, persistent_unsupported
 
-from models import build_model
+from models import SHAPES, build_model, linear_shapes
 from results_table import add_table_option, append_rows
 
 
@@ -115,36 +115,60 @@ def eager_training(model_name: str, state: str, batch: int):
 
 def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
     """Host microseconds per fused layer and step, on a real model's layers in eager training:
-    its forward (ForgeLinear.forward) and the Python of its backward (nn/linear.fused_backward:
-    dX, db, the checks, the launch arguments and the fused kernel's launch), timed around those
-    calls with the GPU queue never full (the model is small enough that the host leads)."""
+    its forward (ForgeLinear.forward) and the Python of its backward (nn/linear.fused_backward),
+    timed around those calls with the GPU queue never full (the model is small enough that the
+    host leads); and inside the backward, the parts: dX's GEMM, the launch arguments, the
+    two-pass weight gradient's GEMM, the rule pass's and the fused kernels' launches."""
+    from forge_hf.kernels import dispatch, persistent_launch
     from forge_hf.nn import linear
 
     step = eager_training(model_name, state, batch=4)
-    spent = {"forward": 0.0, "backward": 0.0}
-    calls = {"forward": 0, "backward": 0}
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
 
     def timed(kind, fn):
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            spent[kind] += time.perf_counter() - t
-            calls[kind] += 1
+            spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - t
+            calls[kind] = calls.get(kind, 0) + 1
             return out
         return wrapper
 
-    forward, backward = linear.ForgeLinear.forward, linear.fused_backward
-    linear.ForgeLinear.forward, linear.fused_backward = timed("forward", forward), timed("backward", backward)
+    patched = [(linear.ForgeLinear, "forward", "forward"), (linear, "fused_backward", "backward"),
+               (linear, "input_gradient", "dx_gemm"), (linear, "next_launch_args", "launch_args"),
+               (dispatch, "weight_gradient", "two_pass_gemm"), (BoundLaunch, "__call__", "triton_launch"),
+               (persistent_launch.PersistentLaunch, "__call__", "persistent_launch")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    for owner, name, kind in patched:
+        setattr(owner, name, timed(kind, getattr(owner, name)))
     try:
         for _ in range(steps):
             step()
             torch.cuda.synchronize()
     finally:
-        linear.ForgeLinear.forward, linear.fused_backward = forward, backward
-    us = {k: spent[k] / max(calls[k], 1) * 1e6 for k in spent}
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    layers = calls["backward"]  # per fused layer and step: ForgeOptimizer's launches are outside it
+    us = {k: spent[k] / (calls["forward"] if k == "forward" else layers) * 1e6 for k in spent}
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in us.items() if k not in ("forward", "backward"))
     print(f"{model_name} ({state} state): host us per fused layer and step: forward {us['forward']:.1f}, "
-          f"backward {us['backward']:.1f}, total {us['forward'] + us['backward']:.1f}")
+          f"backward {us['backward']:.1f} ({parts}), total {us['forward'] + us['backward']:.1f}")
     return us
+
+
+def plain_linear_host_us(model_name, tokens=2048) -> dict:
+    """Host microseconds of what any linear layer costs, at the model's down_proj shape: an
+    nn.Linear forward, and one cuBLAS GEMM of its backward called from Python."""
+    _, n_out, n_in, _ = linear_shapes(model_name)[-1 if SHAPES[model_name][1]["tie_word_embeddings"] else -2]
+    layer = torch.nn.Linear(n_in, n_out, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, n_in, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, n_out, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        costs = {"nn_linear_forward": per_call_us(lambda: layer(x), n=100),
+                 "cublas_gemm": per_call_us(lambda: dy @ layer.weight, n=100)}
+    print(f"{model_name} plain linear, host us: " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
+    return costs
 
 
 def profile_training(model_name, steps) -> float:
@@ -174,6 +198,7 @@ def main():
     opts = ap.parse_args()
     costs = launch_costs()
     layer_us = per_layer_host_us(opts.model, opts.steps)
+    plain_us = plain_linear_host_us(opts.model)
     wall_ms = profile_training(opts.model, opts.steps)
     rows = [dict(model="64x64 layer", batch="1x16", arm=f"host_{name}", step_ms=us / 1e3, tool="host_overhead",
                  note="host time per call") for name, us in costs.items()]
@@ -183,6 +208,11 @@ def main():
                      step_ms=(layer_us["forward"] + layer_us["backward"]) / 1e3,
                      note=f"host time per fused layer and step (ms): forward {layer_us['forward'] / 1e3:.4f} + "
                           f"backward {layer_us['backward'] / 1e3:.4f}"))
+    rows += [dict(model=opts.model, batch="4x512", arm=f"host_per_fused_layer_{part}", step_ms=us / 1e3,
+                  tool="host_overhead", note="host time per fused layer and step, inside its backward")
+             for part, us in layer_us.items() if part not in ("forward", "backward")]
+    rows += [dict(model=opts.model, batch="1x2048", arm=f"host_{name}", step_ms=us / 1e3, tool="host_overhead",
+                  note="host time per call, the model's down_proj shape") for name, us in plain_us.items()]
     append_rows(rows, opts.table)
 
 

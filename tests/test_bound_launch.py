@@ -79,16 +79,20 @@ def test_each_new_specialisation_of_the_tokens_is_its_own_variant(device):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_a_bound_rule_pass_follows_launch_rule_step(precision, device):
+@pytest.mark.parametrize("keep_last", [False, True])
+def test_a_bound_rule_pass_follows_launch_rule_step(precision, keep_last, device):
+    """``keep_last``: the two-pass path's call, the same gradient and argument tensors every
+    time with new contents (on the GPU the last launch is repeated as it was prepared)."""
     results = []
     for bound in (True, False):
         w, state, rule, group = _layer(precision, device)
         stats = torch.zeros(2, device=device)
-        launch = BoundLaunch(w, state.kernel_slots(), "adamw", True, grad_given=True)
+        launch = BoundLaunch(w, state.kernel_slots(), "adamw", True, grad_given=True, keep_last=keep_last)
         gen = torch.Generator(device="cpu").manual_seed(3)
+        grad, args = torch.empty(w.shape, device=device), pack_args([0.0] * 12, 0, 0, device)
         for _ in range(3):
-            grad = (torch.randn(w.shape, generator=gen) * 1e-2).to(device)
-            args = pack_args(rule.prepare(group, state.host), state.step, 9, device)
+            grad.copy_(torch.randn(w.shape, generator=gen) * 1e-2)
+            args.copy_(pack_args(rule.prepare(group, state.host), state.step, 9, device))
             if bound:
                 launch(grad, grad, args, stats)
             else:

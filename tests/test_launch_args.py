@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, args_words, next_launch_args, pack_args
+from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, args_words, next_launch_args, pack_args, release_held_args
 from forge_hf.core.rules import NUM_SCALARS, get_rule, make_group
 from forge_hf.core.state import ForgeState
 from forge_hf.core.step_rows import StepRows, rows_for
@@ -255,6 +255,24 @@ def test_eager_rows_follow_changes_within_a_step():
     fresh = ForgeState(rule, "fp32")
     assert next_launch_args(rule, group, fresh, salt=3, device="cpu").tolist() == \
         args_words(rule.prepare(group, {"step": 0}), 1, 3)
+
+
+def test_a_held_row_keeps_its_words_until_released():
+    """A multi-tensor launch is queued after other launches: the rows it was given keep
+    their words while other launches copy the table (a new tensor, a changed lr), and are
+    predicted again once released."""
+    rule = get_rule("adamw")
+    group = make_group(rule, dict(lr=1e-3))
+    held, other = _states(rule, 2)
+    args = next_launch_args(rule, group, held, salt=5, device="cpu", hold=True)
+    words = args_words(rule.prepare(group, {"step": 0}), 1, 5)
+    next_launch_args(rule, group, other, salt=6, device="cpu")  # a new row: the table is copied
+    group["lr"] = 2e-3
+    next_launch_args(rule, group, other, salt=6, device="cpu")  # mispredicted: copied again
+    assert args.tolist() == words
+    release_held_args(torch.device("cpu"))
+    next_launch_args(rule, group, other, salt=6, device="cpu")
+    assert args.tolist() == args_words(rule.prepare(group, {"step": 1}), 2, 5)  # predicted again
 
 
 def test_a_bad_hyperparameter_fails_only_its_own_launch_and_moves_nothing():

@@ -65,10 +65,14 @@ def step_key(rule, group: dict, host: dict) -> tuple | None:
         values = getter(group)
     except KeyError:
         return None
-    for key in ((id(rule), values, *host.items()), (id(rule), tuple(map(_hashable, values)), *host.items())):
-        try:
-            hash(key)
-            return key
-        except TypeError:
-            continue
-    return None
+    key = (id(rule), values, *host.items())
+    try:
+        hash(key)
+        return key
+    except TypeError:  # made only now: building it costs as much as the first
+        key = (id(rule), tuple(map(_hashable, values)), *host.items())
+    try:
+        hash(key)
+        return key
+    except TypeError:
+        return None

@@ -18,14 +18,15 @@ import torch
 from .arg_words import ARGS_LEN, ROW_STRIDE, STEP_WORDS, args_words, int32, pack_args, prepare_step
 from .step_rows import rows_for
 
-__all__ = ["ARGS_LEN", "ArgsTable", "args_words", "next_launch_args", "pack_args"]
+__all__ = ["ARGS_LEN", "ArgsTable", "args_words", "next_launch_args", "pack_args", "release_held_args"]
 
 _recording: ArgsTable | None = None
 
 
-def next_launch_args(rule, group: dict, state, salt: int, device, row0: int = 0) -> torch.Tensor:
+def next_launch_args(rule, group: dict, state, salt: int, device, row0: int = 0, hold: bool = False) -> torch.Tensor:
     """Advance ``state`` by one step of ``rule`` and return the launch's arguments; while a
-    step is captured, a row of the capture's table (filled at each replay)."""
+    step is captured, a row of the capture's table (filled at each replay). ``hold``: the
+    kernel is queued later, after other launches: call ``release_held_args(device)`` then."""
     if _recording is not None:
         return _recording.add(rule, group, state, salt, row0)
     if not isinstance(device, torch.device):
@@ -38,7 +39,13 @@ def next_launch_args(rule, group: dict, state, salt: int, device, row0: int = 0)
                 "a fused step is being captured into a CUDA graph outside forge_hf's own capture: each replay "
                 "would reuse this step's learning rate and step count. Capture with forge_hf.GraphedStep (or "
                 "ForgeTrainer's optim_args cuda_graph=true), which refreshes them before every replay")
-    return rows_for(device).args(rule, group, state, salt, row0)
+    return rows_for(device).args(rule, group, state, salt, row0, hold)
+
+
+def release_held_args(device: torch.device) -> None:
+    """The kernels that read the rows ``next_launch_args(..., hold=True)`` gave out on
+    ``device`` are queued."""
+    rows_for(device).release()
 
 
 class ArgsTable:

@@ -26,13 +26,15 @@ _NO_WORDS = [0] * STEP_WORDS  # a row whose next step is not known: its own laun
 
 
 class _Row:
-    __slots__ = ("state", "rule", "group", "statics", "key", "after", "_free", "_index")
+    __slots__ = ("state", "rule", "group", "statics", "key", "after", "words", "held", "_free", "_index")
 
     def __init__(self, state, rule, group, statics, free: set[int], index: int):
         self.state = weakref.ref(state, self._gone)
         self.rule, self.group, self.statics = rule, group, statics  # statics: (salt, first row)
         self.key = None  # the step_key whose words the device row holds (None: none known)
         self.after = None  # the counters after that step
+        self.words = _NO_WORDS  # the step words the device row holds
+        self.held = False  # handed out to a launch not yet queued: its words must stay
         self._free, self._index = free, index
 
     def _gone(self, _) -> None:
@@ -59,10 +61,13 @@ class StepRows:
         self._retired: list[torch.Tensor] = []  # earlier tables: kernels in flight may still read them
         self._stream = None  # the CUDA stream of the last launch, and its raw handle
         self._raw_stream = None
+        self._held: list[_Row] = []
 
-    def args(self, rule, group: dict, state, salt: int, row0: int) -> torch.Tensor:
+    def args(self, rule, group: dict, state, salt: int, row0: int, hold: bool = False) -> torch.Tensor:
         """Advance ``state`` by one step of ``rule`` and return its row, holding that step's
-        words on the device by the time a kernel launched next on this stream reads it."""
+        words on the device by the time a kernel launched next on this stream reads it.
+        ``hold``: the kernel is launched later, after other launches (a multi-tensor launch):
+        the row keeps its words until ``release``."""
         i = self._index.get(state)
         if i is None:
             i = self._add(state, rule, group, (salt, row0))
@@ -77,7 +82,16 @@ class StepRows:
         if key is None or row.key != key:
             self._write(i, key)
         state.host = dict(row.after)
+        if hold:
+            row.held = True
+            self._held.append(row)
         return self._views[i]
+
+    def release(self) -> None:
+        """The held rows' launches are queued: their rows may be written again."""
+        for row in self._held:
+            row.held = False
+        self._held.clear()
 
     def _follow_stream(self) -> None:
         raw = torch._C._cuda_getCurrentRawStream(self.device.index)
@@ -125,15 +139,15 @@ class StepRows:
         (nothing can be shared with it) row ``i`` alone."""
         launching = self._rows[i]
         launching.after, words = prepare_step(launching.rule, launching.group, launching.state().host)
-        launching.key = key
+        launching.key, launching.words = key, words
         if key is None:
             self._copy([words], slice(i, i + 1))
             return
         shared = {key: (launching.after, words)}
         step_words = []
         for j, row in enumerate(self._rows):
-            if j == i:
-                step_words.append(words)
+            if j == i or row.held:
+                step_words.append(row.words)
                 continue
             state = row.state()
             row_key = None if state is None else step_key(row.rule, row.group, state.host)
@@ -146,11 +160,10 @@ class StepRows:
                     except Exception:  # its own launch raises it, before anything of that tensor moves
                         pass
             if hit is None:
-                row.key = None
-                step_words.append(_NO_WORDS)
+                row.key, row.words = None, _NO_WORDS
             else:
-                row.key, row.after = row_key, hit[0]
-                step_words.append(hit[1])
+                row.key, row.after, row.words = row_key, hit[0], hit[1]
+            step_words.append(row.words)
         self._copy(step_words, slice(0, len(self._rows)))
 
     def _copy(self, step_words: list, rows: slice) -> None:

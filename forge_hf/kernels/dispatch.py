@@ -109,7 +109,7 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     mode = wgrad_mode()
     if resolve_backend(backend, weight.device) is not launch_fused_update:
         return fused  # the reference: no Triton for the rule pass, and the same arithmetic anyway
-    rule_pass = BoundLaunch(weight, slots, rule_name, stochastic, grad_given=True)
+    rule_pass = BoundLaunch(weight, slots, rule_name, stochastic, grad_given=True, keep_last=True)
     scratch = scratch_for(weight.device)
 
     def two_pass(x, dy, args, stats):

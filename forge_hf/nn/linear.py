@@ -387,8 +387,9 @@ class FusedWeightMixin:
         if dp is not None:
             dp.announce_tokens(x.numel() // max(x.shape[-1], 1))
         bias = self._parameters.get("bias")
-        dev = "cuda" if x.is_cuda else x.device.type
-        if torch.is_autocast_enabled(dev):
+        # one call for the usual case, no autocast at all; then the device's own check
+        dev = None if not torch._C._is_any_autocast_enabled() else "cuda" if x.is_cuda else x.device.type
+        if dev is not None and torch.is_autocast_enabled(dev):
             # autocast does not reach inside a custom Function: cast as it would for linear
             inputs = [t.to(torch.get_autocast_dtype(dev)) for t in inputs]
             with torch.autocast(dev, enabled=False):

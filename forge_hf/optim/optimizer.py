@@ -17,12 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.codecs import QuantisedSlot
-from ..core.launch_args import next_launch_args
+from ..core.launch_args import next_launch_args, release_held_args
 from ..core.rounding import layer_salt
 from ..core.rules import get_rule, make_group
 from ..core.state import ForgeState
 from ..kernels.bound_launch import BoundLaunch
 from ..kernels.dispatch import resolve_backend
+from ..kernels.multi_tensor import MultiTensorRulePass, batch_kind
 from ..kernels.reference import reference_fused_update, reference_rule_rows
 from ..nn.linear import FusedWeightMixin
 from .fsdp import enable_fsdp, fsdp_needed, param_shards
@@ -121,6 +122,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._kernel = resolve_backend(first.forge_backend, self._device) is not reference_fused_update
         self._nonfinite = torch.zeros((), device=self._device)
         self._launches: dict[torch.Tensor, tuple] = {}  # non-fused tensor -> (its layout, its BoundLaunch)
+        self._batches: dict[tuple, MultiTensorRulePass] = {}  # batch_kind -> the one launch of its tensors
         self.last_grad_norm: torch.Tensor | None = None
         self._step_taken = False
         self.link_layers()
@@ -179,25 +181,34 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sq, bad = totals[0], totals[1]
         shard_totals = {}  # FSDP2 shards: id(group) -> (group, [squared sum, skipped]) of this rank's rows
         pooled = {}  # device -> [squared sum, skipped] the kernel adds every whole tensor's into
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    shards = self._shards.get(p)
-                    stats = None
-                    if self._kernel and shards is None:
-                        stats = pooled.get(p.device)
-                        if stats is None:
-                            stats = pooled[p.device] = torch.zeros(2, device=p.device)
-                    sums = self._step_tensor(p, group, stats)
-                    if sums is None:
-                        continue  # added into the device's pooled stats, summed with the others below
-                    p_sq, p_bad = sums
-                    if shards is None:
-                        sq += p_sq.to(self._device)
-                        bad += p_bad.to(self._device)
-                    else:
-                        part = shard_totals.setdefault(id(shards.group), (shards.group, torch.zeros(2)))[1]
-                        part += torch.stack([p_sq.float().cpu(), p_bad.float().cpu()])
+        # small 1-d tensors (norms, biases) in one launch a kind, except while a CUDA graph is
+        # captured: its replays would copy the table's host rows again, long since rewritten
+        batching = self._kernel and not (self._device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        batches: dict[int, MultiTensorRulePass] = {}  # in launch order
+        try:
+            for group, p in self._with_grads():
+                shards = self._shards.get(p)
+                stats = None
+                if self._kernel and shards is None:
+                    stats = pooled.get(p.device)
+                    if stats is None:
+                        stats = pooled[p.device] = torch.zeros(2, device=p.device)
+                    if batching and p not in self._layers and self._add_to_batch(p, group, batches):
+                        continue
+                sums = self._step_tensor(p, group, stats)
+                if sums is None:
+                    continue  # added into the device's pooled stats, summed with the others below
+                p_sq, p_bad = sums
+                if shards is None:
+                    sq += p_sq.to(self._device)
+                    bad += p_bad.to(self._device)
+                else:
+                    part = shard_totals.setdefault(id(shards.group), (shards.group, torch.zeros(2)))[1]
+                    part += torch.stack([p_sq.float().cpu(), p_bad.float().cpu()])
+        finally:  # what was queued is stepped, as it would have been tensor by tensor
+            for batch in batches.values():
+                batch.launch(pooled[batch.device])
+                release_held_args(batch.device)
         for stats in pooled.values():
             sq += stats[0].to(self._device)
             bad += stats[1].to(self._device)
@@ -215,6 +226,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 "check the data for bad values, or train in fp32/bf16 with a finite loss"
             )
         return loss
+
+    def _with_grads(self):
+        """(group, parameter) for every parameter that holds a gradient, in param_groups' order."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    yield group, p
 
     # Elements per chunk of the non-fused step: bounds its fp32 and hash temporaries to a
     # few hundred MB, where a whole 0.5B-entry embedding would take tens of GB at once.
@@ -267,6 +285,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
             sq += reference_rule_rows(self.rule.name, w2, g2[rows].float(), plain, rows, consts, ok,
                                       self._salt[p], state.step, self.stochastic, row0)
         return torch.where(ok, sq, 0.0), (~ok).float()
+
+    def _add_to_batch(self, p: torch.Tensor, group: dict, batches: dict) -> bool:
+        """Queue ``p``'s rule step in the launch of its batch_kind (one launch for all of
+        them, after the loop), if it has one: then the step is taken and True returned."""
+        grad, state = p.grad, self.state[p]
+        if grad.layout != torch.strided:
+            return False  # sparse: _step_tensor says why not
+        state.allocate(p, group)
+        kind = batch_kind(p, grad, state.slots)
+        if kind is None:
+            return False
+        batch = self._batches.get(kind)
+        if batch is None:
+            batch = self._batches[kind] = MultiTensorRulePass(kind, self.rule.name, self.stochastic)
+        args = next_launch_args(self.rule, group, state, self._salt[p], p.device, hold=True)
+        batch.add(p, grad, state.slots, args)
+        batches[id(batch)] = batch
+        return True
 
     def _step_with_kernel(self, p, w, g, slots, args, stats=None, sharded=False):
         """The fused kernel's rule and store on an existing gradient, its sums added into
