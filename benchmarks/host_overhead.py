@@ -12,12 +12,14 @@ import pstats
 import time
 
 import torch
+import triton
 
 import forge_hf
 from forge_hf.core.launch_args import next_launch_args, pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
 from forge_hf.kernels.bound_launch import BoundLaunch
+from forge_hf.kernels.compiled import launch_compiled
 from forge_hf.kernels.dispatch import launch_fused_update
 from forge_hf.kernels.fused_update import RULE_UPDATES, fused_launch_arguments, fused_update_kernel
 from forge_hf.kernels.persistent_launch import PersistentLaunch, launch_persistent, persistent_unsupported
@@ -171,6 +173,79 @@ def plain_linear_host_us(model_name, tokens=2048) -> dict:
     return costs
 
 
+@triton.jit
+def _no_op(ptr):
+    pass
+
+
+class _BareFusedLinear(torch.autograd.Function):
+    """The least a fused layer can do from Python: the forward's GEMM, then in backward dX's
+    GEMM and one compiled kernel launch (the weight's update), nothing else."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight
+        _BareFusedLinear.launch((1,), [weight])
+        return dx, None
+
+
+def layer_floor_us(model_name, tokens=2048, layers=28, steps=20) -> dict:
+    """Host microseconds a layer and step (forward and backward) of a stack of the model's
+    down_proj-shaped linears: nn.Linear through autograd's C++ (what fused AdamW's layers
+    cost), the bare fused Function above (the floor of any Python autograd Function with the
+    same launches), and ForgeLinear."""
+    from torch import nn
+
+    _, n_out, n_in, _ = linear_shapes(model_name)[-1 if SHAPES[model_name][1]["tie_word_embeddings"] else -2]
+    size = min(n_out, n_in)  # square, so that layers chain
+    stacks = {"plain_linear": nn.Sequential(*(nn.Linear(size, size, bias=False) for _ in range(layers)))}
+    forged = nn.Sequential(*(nn.Linear(size, size, bias=False) for _ in range(layers)))
+    forge_hf.patch_model(forged, optimizer="adamw", state_precision="bf16", lr=1e-5, min_params=0)
+    stacks["forge_linear"] = forged
+    bare_weights = [torch.randn(size, size, device="cuda", dtype=torch.bfloat16) * size**-0.5
+                    for _ in range(layers)]
+    _BareFusedLinear.launch = launch_compiled(_no_op, (1,), [bare_weights[0]], {}, {})
+
+    def bare(x):
+        for w in bare_weights:
+            x = _BareFusedLinear.apply(x, w)
+        return x
+
+    for name in ("plain_linear", "forge_linear"):
+        stacks[name].to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    runs = {"plain_linear": stacks["plain_linear"], "bare_function": bare, "forge_linear": stacks["forge_linear"]}
+    def clear():  # as zero_grad(set_to_none=True) between steps, outside the time
+        x.grad = None
+        for p in stacks["plain_linear"].parameters():
+            p.grad = None
+
+    us = {}
+    for _ in range(2):  # interleaved rounds, the best of each
+        for name, run in runs.items():
+            for _ in range(3):
+                run(x).sum().backward()
+                clear()
+            torch.cuda.synchronize()
+            spent = 0.0
+            for _ in range(steps):
+                t = time.perf_counter()
+                run(x).sum().backward()
+                spent += time.perf_counter() - t
+                clear()
+            torch.cuda.synchronize()
+            us[name] = min(us.get(name, float("inf")), spent / steps / layers * 1e6)
+    print(f"{model_name} {size}x{size} stack at {tokens} tokens, host us a layer and step: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in us.items()))
+    return us
+
+
 def profile_training(model_name, steps) -> float:
     """Wall ms of an eager forge step (bf16 state, 1 x 512), then a cProfile of ``steps`` more."""
     step = eager_training(model_name, "bf16", batch=1)
@@ -199,6 +274,7 @@ def main():
     costs = launch_costs()
     layer_us = per_layer_host_us(opts.model, opts.steps)
     plain_us = plain_linear_host_us(opts.model)
+    floor_us = layer_floor_us(opts.model)
     wall_ms = profile_training(opts.model, opts.steps)
     rows = [dict(model="64x64 layer", batch="1x16", arm=f"host_{name}", step_ms=us / 1e3, tool="host_overhead",
                  note="host time per call") for name, us in costs.items()]
@@ -213,6 +289,9 @@ def main():
              for part, us in layer_us.items() if part not in ("forward", "backward")]
     rows += [dict(model=opts.model, batch="1x2048", arm=f"host_{name}", step_ms=us / 1e3, tool="host_overhead",
                   note="host time per call, the model's down_proj shape") for name, us in plain_us.items()]
+    rows += [dict(model=opts.model, batch="1x2048", arm=f"host_layer_{name}", step_ms=us / 1e3, tool="host_overhead",
+                  note="host time a layer and step, forward and backward, stack of square down_proj-sized linears")
+             for name, us in floor_us.items()]
     append_rows(rows, opts.table)
 
 

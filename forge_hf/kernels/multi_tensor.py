@@ -119,7 +119,12 @@ def batch_kind(weight: torch.Tensor, grad: torch.Tensor, slots: list) -> tuple |
 class MultiTensorRulePass:
     """One launch stepping every tensor added since the last ``launch``: ``add(weight, grad,
     slots, args)`` for each (all of one ``batch_kind``), then ``launch(stats)``. The table's
-    host rows are pinned and written again only after their copy has left."""
+    host rows are pinned and written again only after their copy has left.
+
+    A CUDA graph captures the table's copy from pinned memory, which each replay reads again:
+    a capture takes a pinned buffer and device table of its own (made at an eager launch, since
+    a capture cannot allocate pinned memory safely), kept as long as this object. Its work list
+    and compiled kernel come from an eager launch of the same tensors too."""
 
     HOST_BUFFERS = 2
 
@@ -139,6 +144,8 @@ class MultiTensorRulePass:
         self._table = None
         self._again = None
         self._stream = None  # the CUDA stream of the last launch
+        self._spare = None  # (pinned rows, device table) for the next capture
+        self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []  # what captured graphs copy and read
 
     def add(self, weight, grad, slots, args) -> None:
         pointers = [s.data_ptr() if s is not None else 0 for s in slots]
@@ -151,14 +158,20 @@ class MultiTensorRulePass:
             return
         lengths = tuple(r[LENGTH] for r in rows)
         work = self._work.get(lengths)
-        if work is None:
-            work = self._work[lengths] = self._work_list(lengths)
-        if self._cuda:
-            stream = torch.cuda.current_stream(self.device)
-            if self._stream is not None and stream != self._stream:
-                stream.wait_stream(self._stream)  # its kernel may not have read the table yet
-            self._stream = stream
-        table = self._table_for(rows)
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            table = self._captured_table(rows, work)
+        else:
+            if work is None:
+                work = self._work[lengths] = self._work_list(lengths)
+            if self._cuda:
+                stream = torch.cuda.current_stream(self.device)
+                if self._stream is not None and stream != self._stream:
+                    stream.wait_stream(self._stream)  # its kernel may not have read the table yet
+                self._stream = stream
+            table = self._table_for(rows)
+            if self._cuda and (self._spare is None or self._spare[0].shape[0] < len(rows)):
+                self._spare = (torch.zeros(len(rows), FIELDS, dtype=torch.int64, pin_memory=True),
+                               torch.zeros(len(rows), FIELDS, dtype=torch.int64, device=self.device))
         grid = (work.shape[0],)
         positional = [table, work, stats]
         if INTERPRETER or not self._cuda:
@@ -169,6 +182,21 @@ class MultiTensorRulePass:
         else:
             self._again(grid, positional)
         self._keep = []
+
+    def _captured_table(self, rows: list, work) -> torch.Tensor:
+        """The table of a step being captured: the spare buffers, the graph's from now on."""
+        if work is None or self._again is None or self._spare is None or self._spare[0].shape[0] < len(rows):
+            raise RuntimeError(
+                f"the one launch of {len(rows)} small tensors' rule steps is first needed while a CUDA graph is "
+                "captured, where its table and kernel cannot be made: run an eager step with the same model and "
+                "optimizer before capturing (GraphedStep's warmup_steps)")
+        host, table = self._spare
+        self._spare = None
+        self._captured.append((host, table))
+        host.numpy()[:len(rows)] = np.asarray(rows, dtype=np.int64)
+        table = table[:len(rows)]
+        table.copy_(host[:len(rows)], non_blocking=True)
+        return table
 
     def _work_list(self, lengths: tuple) -> torch.Tensor:
         """(tensor, first element) of every program."""

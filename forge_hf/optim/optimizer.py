@@ -181,9 +181,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sq, bad = totals[0], totals[1]
         shard_totals = {}  # FSDP2 shards: id(group) -> (group, [squared sum, skipped]) of this rank's rows
         pooled = {}  # device -> [squared sum, skipped] the kernel adds every whole tensor's into
-        # small 1-d tensors (norms, biases) in one launch a kind, except while a CUDA graph is
-        # captured: its replays would copy the table's host rows again, long since rewritten
-        batching = self._kernel and not (self._device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         batches: dict[int, MultiTensorRulePass] = {}  # in launch order
         try:
             for group, p in self._with_grads():
@@ -193,7 +190,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     stats = pooled.get(p.device)
                     if stats is None:
                         stats = pooled[p.device] = torch.zeros(2, device=p.device)
-                    if batching and p not in self._layers and self._add_to_batch(p, group, batches):
+                    if p not in self._layers and self._add_to_batch(p, group, batches):  # norms, biases
                         continue
                 sums = self._step_tensor(p, group, stats)
                 if sums is None:
