@@ -16,6 +16,7 @@ from forge_hf.core.launch_args import pack_args
 from forge_hf.kernels import dispatch
 from forge_hf.kernels.dispatch import (
     BACKENDS,
+    PathTimes,
     bind_fused_update,
     check_backend,
     launch_fused_update,
@@ -244,9 +245,14 @@ class _FakeTimer:
         return dict(self.times)
 
 
+GPU_BOUND = 0.01  # ms of host time: far below the GPU's, as for a large layer
+
+
 @interpreter_only
-@pytest.mark.parametrize("times,path", [(dict(fused=2.0, two_pass=1.0), "two_pass"),
-                                        (dict(fused=1.0, two_pass=0.99), "fused")],  # within the margin
+@pytest.mark.parametrize("times,path", [(dict(fused=PathTimes(2.0, GPU_BOUND), two_pass=PathTimes(1.0, GPU_BOUND)),
+                                         "two_pass"),
+                                        (dict(fused=PathTimes(1.0, GPU_BOUND), two_pass=PathTimes(0.99, GPU_BOUND)),
+                                         "fused")],  # within the margin
                          ids=["two_pass_faster", "two_pass_barely_faster"])
 def test_auto_times_both_paths_on_copies_once_per_shape(times, path, monkeypatch, fresh_wgrad_choices, caplog):
     """auto where it can time (a GPU; stood in for on CPU): the first launch at a shape
@@ -281,8 +287,38 @@ def test_auto_times_both_paths_on_copies_once_per_shape(times, path, monkeypatch
     for a, b, c in zip(chosen, again, forced):
         assert torch.equal(a, c) and torch.equal(b, c)
     [measured] = [r.getMessage() for r in caplog.records if r.name == "forge_hf"]
-    assert measured.endswith(f": fused {times['fused']:.3f} ms, two-pass {times['two_pass']:.3f} ms -> {path} "
-                             "(measured)")
+    fused, two = times["fused"], times["two_pass"]
+    assert measured.endswith(f": fused {fused.gpu_ms:.3f} ms on the GPU, {fused.host_ms:.3f} ms on the host, "
+                             f"two-pass {two.gpu_ms:.3f} / {two.host_ms:.3f} ms -> {path} (measured)")
+
+
+@interpreter_only
+def test_eager_steps_count_the_host_time_of_the_launches_captured_steps_do_not(monkeypatch, fresh_wgrad_choices,
+                                                                                caplog):
+    """A small layer whose two-pass path is faster on the GPU but whose two launches take the
+    host longer than the fused kernel's one: eager steps, where the GPU waits for the host,
+    take the fused path; captured steps, which launch nothing, the two-pass path."""
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
+    monkeypatch.setattr(dispatch, "_unmeasurable", lambda x, dy, device: None)
+    w, state, rule, group = _layer()
+    monkeypatch.setattr(dispatch, "_time_paths_ms", _FakeTimer(
+        dict(fused=PathTimes(0.03, 0.05), two_pass=PathTimes(0.02, 0.10)), w))
+    formed, form = [], dispatch.weight_gradient
+    monkeypatch.setattr(dispatch, "weight_gradient", lambda x, dy, weight, scratch: formed.append(weight is w) or
+                        form(x, dy, weight, scratch))
+    captured = [False]
+    monkeypatch.setattr(dispatch, "step_is_captured", lambda: captured[0])
+    launch = bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
+    x, dy = exact_inputs((33, 130), 70, dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="forge_hf"):
+        for step, capture in enumerate((False, False, True, True, False)):
+            captured[0] = capture
+            launch(x, dy, pack_args(rule.prepare(group, state.host), step + 1, 21, "cpu"), torch.zeros(2))
+    assert formed == [False, True, True]  # the timing's copy of the layer, then its two captured steps
+    [choice] = dispatch.wgrad_choices().values()
+    assert (choice.path, choice.graph_path) == ("fused", "two_pass")
+    [line] = [r.getMessage() for r in caplog.records if r.name == "forge_hf"]
+    assert line.endswith("-> fused eagerly, two_pass in a CUDA graph (measured)")
 
 
 @interpreter_only
@@ -292,7 +328,7 @@ def test_a_capture_before_any_timing_runs_fused_and_decides_later(monkeypatch, f
     capturing = [True]
     monkeypatch.setattr(dispatch, "is_capturing", lambda device: capturing[0])
     w, state, rule, group = _layer()
-    timer = _FakeTimer(dict(fused=2.0, two_pass=1.0), w)
+    timer = _FakeTimer(dict(fused=PathTimes(2.0, GPU_BOUND), two_pass=PathTimes(1.0, GPU_BOUND)), w)
     monkeypatch.setattr(dispatch, "_time_paths_ms", timer)
     launch = bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
     x, dy = exact_inputs((33, 130), 70, dtype=torch.bfloat16)

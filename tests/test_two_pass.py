@@ -290,9 +290,9 @@ def test_auto_measures_once_per_shape_and_steps_the_weight_once_on_gpu(monkeypat
         assert torch.equal(a, b)
     [(key, choice)] = dispatch.wgrad_choices().items()
     assert (key.out_features, key.in_features, key.tokens) == (1024, 2048, 4096)
-    assert choice.reason == "measured" and choice.fused_ms > 0 and choice.two_pass_ms > 0
-    assert choice.path == ("two_pass" if choice.two_pass_ms < dispatch.TWO_PASS_MARGIN * choice.fused_ms
-                           else "fused")
+    assert choice.reason == "measured" and min(*choice.fused, *choice.two_pass) > 0
+    assert choice.path == dispatch.faster_path(choice.fused.eager_ms(), choice.two_pass.eager_ms())
+    assert choice.graph_path == dispatch.faster_path(choice.fused.gpu_ms, choice.two_pass.gpu_ms)
     print(dispatch.describe_choice(key, choice))
 
 

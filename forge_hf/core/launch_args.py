@@ -48,6 +48,11 @@ def release_held_args(device: torch.device) -> None:
     rows_for(device).release()
 
 
+def step_is_captured() -> bool:
+    """Whether the launches being made belong to a step forge is capturing (ArgsTable.recording)."""
+    return _recording is not None
+
+
 class ArgsTable:
     """The arguments of every launch of one captured step: a device table the graph reads,
     a pinned host twin, and the (rule, group, state, salt, row) of each row."""

@@ -24,7 +24,10 @@ On ``triton`` a layer's step takes one of two paths, per layer shape:
 ``fused``, ``two_pass``, or ``auto`` (default): on a GPU, the first step at a new shape times
 both paths on copies of the layer's weight and states and keeps the faster for every layer of
 that shape (wgrad_choices() lists the decisions; each is logged once, logger "forge_hf");
-elsewhere (CPU, the interpreter) auto is fused.
+elsewhere (CPU, the interpreter) auto is fused. "Faster" differs by how the step runs: a
+captured step (CUDA graph) costs its GPU time; an eager one costs the larger of its GPU time
+and the host time of its launches, since the GPU waits for launches that come slower than it
+runs them (the two-pass path's GEMM and rule launch take about twice the fused kernel's one).
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from ..core.codecs import QuantisedSlot, storage_kind
+from ..core.launch_args import step_is_captured
 from .bound_launch import BoundLaunch
 from .reference import reference_fused_update
 from .two_pass import GradientScratch, is_capturing, scratch_for, weight_gradient
@@ -109,29 +114,37 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     mode = wgrad_mode()
     if resolve_backend(backend, weight.device) is not launch_fused_update:
         return fused  # the reference: no Triton for the rule pass, and the same arithmetic anyway
-    rule_pass = BoundLaunch(weight, slots, rule_name, stochastic, grad_given=True, keep_last=True)
-    scratch = scratch_for(weight.device)
+    two_pass = _bind_two_pass(weight, slots, rule_name, stochastic, scratch_for(weight.device))
 
-    def two_pass(x, dy, args, stats):
-        grad = weight_gradient(x, dy, weight, scratch)
-        rule_pass(grad, grad, args, stats)
-
-    def measure(x, dy, args) -> dict[str, float]:
+    def measure(x, dy, args) -> dict[str, PathTimes]:
         bind_copy = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
         return _measure_paths(bind_copy, x, dy, weight, slots, args, rule_name, stochastic)
 
-    chosen: dict = {}  # (tokens, token dtype) -> this layer's path for them
+    chosen: dict = {}  # (tokens, token dtype, captured) -> this layer's path for them
 
     def launch(x, dy, args, stats):
-        run = chosen.get((x.shape[0], x.dtype))
+        captured = step_is_captured()
+        run = chosen.get((x.shape[0], x.dtype, captured))
         if run is None:
             choice = _decide(wgrad_key(x, weight, slots, rule_name), mode, x, dy, args, measure)
             if choice is None:  # a capture before any measurement: fused, measured at an eager step
                 run = fused
             else:
-                run = chosen[(x.shape[0], x.dtype)] = two_pass if choice.path == "two_pass" else fused
+                path = choice.graph_path if captured else choice.path
+                run = chosen[(x.shape[0], x.dtype, captured)] = two_pass if path == "two_pass" else fused
         run(x, dy, args, stats)
     return launch
+
+
+def _bind_two_pass(weight, slots, rule_name: str, stochastic: bool, scratch: GradientScratch) -> Callable:
+    """The two-pass path's ``launch(x, dy, args, stats)``: the gradient into ``scratch``, then
+    a bound rule pass over it."""
+    rule_pass = BoundLaunch(weight, slots, rule_name, stochastic, grad_given=True, keep_last=True)
+
+    def two_pass(x, dy, args, stats):
+        grad = weight_gradient(x, dy, weight, scratch)
+        rule_pass(grad, grad, args, stats)
+    return two_pass
 
 
 def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: bool) -> Callable:
@@ -185,13 +198,29 @@ class WgradKey(NamedTuple):
     column_major: bool  # a Conv1D's transposed weight
 
 
+class PathTimes(NamedTuple):
+    """One path's step of one layer: its GPU time, and the host time of its launches."""
+
+    gpu_ms: float
+    host_ms: float
+
+    def eager_ms(self) -> float:
+        """What the path costs an eager step: the GPU waits for launches slower than it."""
+        return max(self.gpu_ms, self.host_ms)
+
+
 @dataclasses.dataclass(frozen=True)
 class WgradChoice:
-    path: str  # "fused" or "two_pass"
+    path: str  # "fused" or "two_pass", for eager steps
     reason: str  # "measured", "FORGE_HF_WGRAD=...", or why auto did not measure
     tokens: int  # the token count it was decided at
-    fused_ms: float | None = None
-    two_pass_ms: float | None = None
+    fused: PathTimes | None = None
+    two_pass: PathTimes | None = None
+    graph_path: str = ""  # the path for captured steps, where only GPU time counts (default: path)
+
+    def __post_init__(self):
+        if not self.graph_path:
+            object.__setattr__(self, "graph_path", self.path)
 
 
 MEASURED = "measured"
@@ -248,30 +277,35 @@ def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | Non
         times = measure(x, dy, args)
     except torch.OutOfMemoryError:
         return _record(key, WgradChoice("fused", "auto: out of memory while timing the paths", tokens))
-    path = faster_path(times["fused"], times["two_pass"])
-    return _record(key, WgradChoice(path, MEASURED, tokens, times["fused"], times["two_pass"]))
+    fused, two = times["fused"], times["two_pass"]
+    return _record(key, WgradChoice(faster_path(fused.eager_ms(), two.eager_ms()), MEASURED, tokens, fused, two,
+                                    graph_path=faster_path(fused.gpu_ms, two.gpu_ms)))
 
 
 def faster_path(fused_ms: float, two_pass_ms: float) -> str:
-    """auto's choice between measured paths (from AUTO_MIN_TOKENS tokens; below, fused)."""
+    """auto's choice between measured costs (from AUTO_MIN_TOKENS tokens; below, fused)."""
     return "two_pass" if two_pass_ms < TWO_PASS_MARGIN * fused_ms else "fused"
 
 
 def _record(key: WgradKey, choice: WgradChoice) -> WgradChoice:
     previous = _DECISIONS.get(key)
     _DECISIONS[key] = choice
-    if previous is None or (previous.path, previous.reason) != (choice.path, choice.reason):
+    if previous is None or (previous.path, previous.graph_path, previous.reason) != \
+            (choice.path, choice.graph_path, choice.reason):
         log.info("%s", describe_choice(key, choice))
     return choice
 
 
 def describe_choice(key: WgradKey, choice: WgradChoice) -> str:
     """One line: the layer shape, its tokens, the times if measured, the path and why."""
-    times = "" if choice.fused_ms is None else \
-        f": fused {choice.fused_ms:.3f} ms, two-pass {choice.two_pass_ms:.3f} ms"
+    times = "" if choice.fused is None else (
+        f": fused {choice.fused.gpu_ms:.3f} ms on the GPU, {choice.fused.host_ms:.3f} ms on the host, two-pass "
+        f"{choice.two_pass.gpu_ms:.3f} / {choice.two_pass.host_ms:.3f} ms")
+    path = choice.path if choice.graph_path == choice.path else \
+        f"{choice.path} eagerly, {choice.graph_path} in a CUDA graph"
     return (f"weight gradient of {key.rule} {key.out_features}x{key.in_features} {key.weight_dtype} weights on "
             f"{key.device}, {choice.tokens} {key.token_dtype} tokens (bucket <= {key.tokens}){times} -> "
-            f"{choice.path} ({choice.reason})")
+            f"{path} ({choice.reason})")
 
 
 def copy_layer(weight, slots) -> tuple:
@@ -286,36 +320,39 @@ def copy_layer(weight, slots) -> tuple:
     return copy(weight), slot_copies
 
 
-def _measure_paths(bind_fused, x, dy, weight, slots, args, rule_name, stochastic) -> dict[str, float]:
-    """GPU milliseconds of this step by each path, both run on copies of the weight and its
-    states: the layer itself is then stepped once, by the path chosen."""
+def _measure_paths(bind_fused, x, dy, weight, slots, args, rule_name, stochastic) -> dict[str, PathTimes]:
+    """GPU and host milliseconds of this step by each path, both run on copies of the weight
+    and its states: the layer itself is then stepped once, by the path chosen."""
     weight_copy, slot_copies = copy_layer(weight, slots)
     stats = torch.zeros(2, dtype=torch.float32, device=weight.device)
     fused = bind_fused(weight_copy, slot_copies, stats)
-    scratch = GradientScratch(weight.device)  # its own: the shared one grows only for layers taking the path
+    # its own scratch: the shared one grows only for layers taking the path
+    two_pass = _bind_two_pass(weight_copy, slot_copies, rule_name, stochastic, GradientScratch(weight.device))
     return _time_paths_ms({
         "fused": lambda: fused(x, dy, args, stats),
-        "two_pass": lambda: two_pass_step(x, dy, weight_copy, slot_copies, args, stats, rule_name, stochastic,
-                                          scratch),
+        "two_pass": lambda: two_pass(x, dy, args, stats),
     })
 
 
-def _time_paths_ms(paths: dict[str, Callable[[], None]], rounds: int = MEASURE_ROUNDS) -> dict[str, float]:
-    """GPU milliseconds of each path on the current stream: the best of ``rounds``, after one
-    untimed run each (compilation, cuBLAS's set-up)."""
+def _time_paths_ms(paths: dict[str, Callable[[], None]], rounds: int = MEASURE_ROUNDS) -> dict[str, PathTimes]:
+    """GPU milliseconds of each path on the current stream, and the host milliseconds of its
+    launches (made while the GPU is still busy, so they are not slowed by it): the best of
+    ``rounds``, after one untimed run each (compilation, cuBLAS's set-up)."""
     for run in paths.values():
         run()
-    best = dict.fromkeys(paths, math.inf)
+    gpu, host = dict.fromkeys(paths, math.inf), dict.fromkeys(paths, math.inf)
     for _ in range(rounds):
         for name, run in paths.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(HOST_LEAD_CYCLES)
             start.record()
+            began = time.perf_counter()
             run()
+            host[name] = min(host[name], (time.perf_counter() - began) * 1e3)
             end.record()
             end.synchronize()
-            best[name] = min(best[name], start.elapsed_time(end))
-    return best
+            gpu[name] = min(gpu[name], start.elapsed_time(end))
+    return {name: PathTimes(gpu[name], host[name]) for name in paths}
 
 
 def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic, blocks=None,
