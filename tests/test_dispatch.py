@@ -315,6 +315,8 @@ def test_eager_steps_count_the_host_time_of_the_launches_captured_steps_do_not(m
             captured[0] = capture
             launch(x, dy, pack_args(rule.prepare(group, state.host), step + 1, 21, "cpu"), torch.zeros(2))
     assert formed == [False, True, True]  # the timing's copy of the layer, then its two captured steps
+    # the captured steps' scratch size, reserved by the first eager step for a capture to grow to first
+    assert dispatch.scratch_for(w.device).reserved >= w.numel()
     [choice] = dispatch.wgrad_choices().values()
     assert (choice.path, choice.graph_path) == ("fused", "two_pass")
     [line] = [r.getMessage() for r in caplog.records if r.name == "forge_hf"]

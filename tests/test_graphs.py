@@ -188,6 +188,38 @@ def test_graphed_steps_equal_eager_steps_bit_for_bit(rule, state_precision, dtyp
 
 
 @pytest.mark.gpu
+def test_a_capture_grows_the_scratch_its_two_pass_layers_need_when_eager_steps_did_not(monkeypatch):
+    """At 1024 tokens and more auto decides per layer shape; where eager steps take the fused
+    path (their launches cost the host less) and captured steps the two-pass one, the eager
+    warm-ups never grow the shared scratch buffer: the capture grows it first, and succeeds."""
+    from forge_hf.kernels import dispatch, two_pass
+
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
+    monkeypatch.setattr(dispatch, "_time_paths_ms", lambda paths: [run() for run in paths.values()] and {
+        "fused": dispatch.PathTimes(0.03, 0.05), "two_pass": dispatch.PathTimes(0.02, 0.10)})
+    dispatch.reset_wgrad_choices()
+    try:
+        two_pass._SCRATCH.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(96, 160)).cuda().bfloat16()
+        forge_hf.patch_model(model, optimizer="adamw", state_precision="bf16", min_params=0, lr=1e-3)
+        optimizer = forge_hf.ForgeOptimizer(model)
+        loss_fn = lambda m, batch: (m(batch["x"]).float() * batch["c"]).sum()  # noqa: E731
+        step = GraphedStep(model, optimizer, loss_fn=loss_fn, warmup_steps=2)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            step({"x": torch.randn(1500, 96, generator=gen).cuda().bfloat16(),
+                  "c": torch.randn(1500, 160, generator=gen).cuda()})
+        assert step.graph is not None
+        [choice] = dispatch.wgrad_choices().values()
+        assert (choice.path, choice.graph_path) == ("fused", "two_pass")
+        assert dispatch.scratch_for(model[0].weight.device).buffer.numel() >= 96 * 160
+        assert torch.isfinite(model[0].weight).all()
+    finally:
+        dispatch.reset_wgrad_choices()
+
+
+@pytest.mark.gpu
 def test_a_wrong_batch_after_capture_is_refused_and_loses_nothing():
     model, opt = parallel_model("adamw", "bf16", torch.bfloat16)
     twin, twin_opt = parallel_model("adamw", "bf16", torch.bfloat16)

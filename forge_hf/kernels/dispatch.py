@@ -114,7 +114,8 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     mode = wgrad_mode()
     if resolve_backend(backend, weight.device) is not launch_fused_update:
         return fused  # the reference: no Triton for the rule pass, and the same arithmetic anyway
-    two_pass = _bind_two_pass(weight, slots, rule_name, stochastic, scratch_for(weight.device))
+    scratch = scratch_for(weight.device)
+    two_pass = _bind_two_pass(weight, slots, rule_name, stochastic, scratch)
 
     def measure(x, dy, args) -> dict[str, PathTimes]:
         bind_copy = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
@@ -131,6 +132,8 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
                 run = fused
             else:
                 path = choice.graph_path if captured else choice.path
+                if choice.graph_path == "two_pass" and path != "two_pass":
+                    scratch.reserve(weight.numel())  # a capture's steps will use it
                 run = chosen[(x.shape[0], x.dtype, captured)] = two_pass if path == "two_pass" else fused
         run(x, dy, args, stats)
     return launch

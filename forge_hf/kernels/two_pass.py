@@ -12,8 +12,10 @@ The scratch buffer is the only gradient memory: one fp32 buffer per device, grow
 largest layer that has taken this path and reused layer after layer. Every launch goes to the
 current stream, so a layer's rule has read the buffer before the next layer's GEMM writes it.
 A CUDA graph records the buffer's address: it must already be large enough when a capture
-uses it (GraphedStep's eager warm-up steps run every layer first), a capture that would have
-to grow it is refused, and a buffer a capture has used is kept alive after it is outgrown.
+uses it (GraphedStep's eager warm-up steps run every layer first, and a layer whose eager
+steps take the fused path but whose captured steps will not reserves its size, grown to
+before the capture: grow_reserved_scratch), a capture that would have to grow it is refused,
+and a buffer a capture has used is kept alive after it is outgrown.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class GradientScratch:
         self._captured = False
         self._outgrown: list[torch.Tensor] = []  # buffers a captured graph still writes
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # (rows, cols) -> view of the buffer
+        self.reserved = 0  # elements a captured step will need (reserve)
 
     def view(self, rows: int, cols: int) -> torch.Tensor:
         """A (rows, cols) fp32 view of the buffer's first rows * cols elements."""
@@ -60,6 +63,11 @@ class GradientScratch:
         if view is None:
             view = self._views[(rows, cols)] = self.buffer[:need].view(rows, cols)
         return view
+
+    def reserve(self, numel: int) -> None:
+        """A captured step will need ``numel`` elements: grow_reserved_scratch grows the buffer
+        before the capture (eager steps that never use it allocate nothing)."""
+        self.reserved = max(self.reserved, numel)
 
     def _grow(self, numel: int) -> None:
         old, self.buffer = self.buffer, None
@@ -93,6 +101,14 @@ def scratch_for(device: torch.device | str) -> GradientScratch:
     if scratch is None:
         scratch = _SCRATCH[device] = GradientScratch(device)
     return scratch
+
+
+def grow_reserved_scratch() -> None:
+    """Before a capture: every device's buffer grown to what its layers reserved."""
+    for scratch in _SCRATCH.values():
+        have = 0 if scratch.buffer is None else scratch.buffer.numel()
+        if scratch.reserved > have:
+            scratch._grow(scratch.reserved)
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..core.codecs import QuantisedSlot
 from ..core.launch_args import ArgsTable
+from ..kernels.two_pass import grow_reserved_scratch
 from ..nn.loss import causal_lm_loss
 from .distributed import average_gradients, broadcast_parameters
 from .optimizer import ForgeOptimizer, fused_layers
@@ -230,6 +231,7 @@ class GraphedStep:
         capacity = sum(len(group["params"]) for group in self.optimizer.param_groups)
         table = ArgsTable(capacity, self._device)
         self.optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes
+        grow_reserved_scratch()  # for layers whose captured steps take the two-pass path, eager ones not
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self._device)
         if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
