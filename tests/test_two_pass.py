@@ -5,6 +5,8 @@ against the fused path where the gradient does not depend on summation order and
 it where it does; one scratch buffer reused across layers. On CPU the Triton kernels run in
 the interpreter (conftest.py); the GPU tests run cuBLAS and CUDA graphs."""
 
+import weakref
+
 import pytest
 import torch
 from conftest import interpreter_only
@@ -204,6 +206,32 @@ def test_the_scratch_buffer_grows_only_when_a_larger_layer_needs_it():
     larger = scratch.view(200, 300)
     assert scratch.allocations == 2 and scratch.nbytes == 200 * 300 * 4
     assert scratch.view(130, 200).data_ptr() == larger.data_ptr() and scratch.allocations == 2
+
+
+def test_a_grown_buffer_is_freed_though_a_rule_pass_kept_a_view_of_it():
+    """The two-pass rule pass keeps its last call's scratch view (to launch again without
+    preparing it): when the buffer grows, it lets go, and the old buffer is freed."""
+    from helpers import adamw_bf16_layer
+
+    from forge_hf.kernels.bound_launch import BoundLaunch
+
+    w, state, *_ = adamw_bf16_layer("bf16", device="cpu")
+    scratch = GradientScratch("cpu")
+    rule_pass = BoundLaunch(w, state.kernel_slots(), "adamw", True, grad_given=True, keep_last=True)
+    scratch.keep_viewed_by(rule_pass)
+    rule_pass._last = (scratch.view(*w.shape),)  # as a compiled launch leaves it
+    old = weakref.ref(scratch.buffer)
+    scratch.view(w.shape[0] * 2, w.shape[1])
+    assert rule_pass._last is None and old() is None
+    scratch.reserve(10**6)
+    assert scratch.nbytes == w.numel() * 2 * 4  # reserving allocates nothing
+    two_pass._SCRATCH[torch.device("meta")] = GradientScratch("meta")
+    try:
+        two_pass._SCRATCH[torch.device("meta")].reserve(123)
+        two_pass.grow_reserved_scratch()  # before a capture
+        assert two_pass._SCRATCH[torch.device("meta")].nbytes == 123 * 4
+    finally:
+        del two_pass._SCRATCH[torch.device("meta")]
 
 
 @interpreter_only

@@ -40,6 +40,10 @@ class BoundLaunch:
         # options, launch again or None under the interpreter)
         self._variants: dict = {}
 
+    def forget_last(self) -> None:
+        """Let go of the last call's tensors (their memory is about to be replaced)."""
+        self._last = None
+
     def __call__(self, x, dy, args, stats) -> None:
         last = self._last
         if last is not None and x is last[0] and dy is last[1] and args is last[2] and stats is last[3]:

@@ -143,6 +143,7 @@ def _bind_two_pass(weight, slots, rule_name: str, stochastic: bool, scratch: Gra
     """The two-pass path's ``launch(x, dy, args, stats)``: the gradient into ``scratch``, then
     a bound rule pass over it."""
     rule_pass = BoundLaunch(weight, slots, rule_name, stochastic, grad_given=True, keep_last=True)
+    scratch.keep_viewed_by(rule_pass)
 
     def two_pass(x, dy, args, stats):
         grad = weight_gradient(x, dy, weight, scratch)

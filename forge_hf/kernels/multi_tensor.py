@@ -53,8 +53,8 @@ def multi_tensor_rule_kernel(
     pid = tl.program_id(0)
     tensor = tl.load(work_ptr + 2 * pid)
     first = tl.load(work_ptr + 2 * pid + 1).to(tl.int32)  # tensors are below MAX_ELEMENTS
-    row_ptr = table_ptr + tensor * 8
-    n = tl.load(row_ptr + 6).to(tl.int32)
+    row_ptr = table_ptr + tensor * 8  # FIELDS words a row
+    n = tl.load(row_ptr + 6).to(tl.int32)  # its LENGTH word
     w_ptr = _pointer(row_ptr, 0, W_KIND)
     s0_ptr = _pointer(row_ptr, 2, S0)
     s1_ptr = _pointer(row_ptr, 3, S1)

@@ -20,6 +20,8 @@ and a buffer a capture has used is kept alive after it is outgrown.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -42,6 +44,7 @@ class GradientScratch:
         self._outgrown: list[torch.Tensor] = []  # buffers a captured graph still writes
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # (rows, cols) -> view of the buffer
         self.reserved = 0  # elements a captured step will need (reserve)
+        self._holders = weakref.WeakSet()  # launches that keep a view of the buffer (forget_last)
 
     def view(self, rows: int, cols: int) -> torch.Tensor:
         """A (rows, cols) fp32 view of the buffer's first rows * cols elements."""
@@ -64,6 +67,11 @@ class GradientScratch:
             view = self._views[(rows, cols)] = self.buffer[:need].view(rows, cols)
         return view
 
+    def keep_viewed_by(self, holder) -> None:
+        """``holder`` keeps a view of the buffer between its calls: ``holder.forget_last()``
+        lets go of it when the buffer is replaced, so that the old one is freed."""
+        self._holders.add(holder)
+
     def reserve(self, numel: int) -> None:
         """A captured step will need ``numel`` elements: grow_reserved_scratch grows the buffer
         before the capture (eager steps that never use it allocate nothing)."""
@@ -80,6 +88,8 @@ class GradientScratch:
                 # only when a larger layer first takes this path).
                 torch.cuda.synchronize(self.device)
         self._views.clear()
+        for holder in list(self._holders):
+            holder.forget_last()
         del old  # back to the allocator before the larger block is taken
         self.buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
         self.allocations += 1
