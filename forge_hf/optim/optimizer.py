@@ -117,8 +117,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # FSDP2 parameters (DTensors sharded by rows): stepped through their local shards
         self._shards = {p: shards for _, p in named if (shards := param_shards(p)) is not None}
         self._device = named[0][1].device
-        # the fused layers' backend steps the non-fused tensors too: one Triton launch each
-        # on a GPU, instead of whole-tensor PyTorch temporaries
+        # the fused layers' backend steps the non-fused tensors too, on a GPU without
+        # whole-tensor PyTorch temporaries: the small 1-d ones (norms, biases) in one launch
+        # (kernels/multi_tensor.py), the others (embeddings, unfused layers) one launch each
         self._kernel = resolve_backend(first.forge_backend, self._device) is not reference_fused_update
         self._nonfinite = torch.zeros((), device=self._device)
         self._launches: dict[torch.Tensor, tuple] = {}  # non-fused tensor -> (its layout, its BoundLaunch)
