@@ -24,6 +24,7 @@ table (results_table.py) as the arm ends.
 
     python benchmarks/trainer_bench.py --models llama-3.1-8b --batches 1x512 --arms adamw_fused,forge
     python benchmarks/trainer_bench.py --arms forge_compile --forge-options recompute_swiglu=true
+    python benchmarks/trainer_bench.py --arms adamw_fused,forge_eager --rounds 3 --step-sync off
 
 --forge-options adds forge options (optim_args syntax) to every forge arm; --liger on gives every arm
 the recipes' Liger kernels (ForgeTrainer refuses them with torch_compile). The row's arm names both
@@ -298,6 +299,9 @@ def main() -> None:
     p.add_argument("--batches", default="4x512", help="comma-separated BATCHxLENGTH cells")
     p.add_argument("--arms", default="adamw_fused,adamw_fused_compile,forge_eager,forge")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the arms this many times, interleaved (A, B, A, B, ...): a row each, under the "
+                        "same drift of the host's speed, for the report to take medians of")
     p.add_argument("--warmup", type=int, default=6, help="untimed steps (compile, capture)")
     p.add_argument("--bf16", choices=("on", "off"), default="on",
                    help="TrainingArguments.bf16 (autocast) for the arms without FSDP2")
@@ -334,11 +338,13 @@ def main() -> None:
         loss.ROW_KERNELS = False
     if (opts.memory_steps or opts.profile_steps) and not opts.details_dir:
         p.error("--memory-steps and --profile-steps write their findings to --details-dir: give one")
+    if opts.rounds < 1:
+        p.error(f"--rounds {opts.rounds}: give 1 or more")
     rows = []
     for model_name in opts.models.split(","):
         for cell in opts.batches.split(","):
             batch, length = map(int, cell.split("x"))
-            for arm in opts.arms.split(","):
+            for arm, round_ in ((arm, r) for r in range(opts.rounds) for arm in opts.arms.split(",")):
                 label = arm_label(arm, opts.forge_options, opts.liger == "on", opts.loss_rows, opts.overlap == "on",
                                   opts.step_sync == "on", opts.non_blocking == "on")
                 row = dict(model=model_name, batch=cell, arm=label,
@@ -353,6 +359,8 @@ def main() -> None:
                     traceback.print_exc()
                     row.update(step_ms="", spread_ms="", peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                                note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                if opts.rounds > 1:
+                    row["note"] = f"{row.get('note', '')}; round {round_ + 1} of {opts.rounds}".lstrip("; ")
                 print(json.dumps(row), flush=True)
                 if details:
                     write_details(opts.details_dir, row, details)

@@ -1,6 +1,8 @@
 """benchmarks/trainer_bench.py's row names: an arm's options are part of its name, so the
 report (one row per model, batch and arm) keeps configurations apart."""
 
+import json
+
 import pytest
 from helpers import benchmark_module
 
@@ -46,3 +48,26 @@ def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_ben
     assert peak1 == 130 and sites1 == {"step 0: forge_hf/nn/linear.py:1 forward": 100,
                                        "step 1: forge_hf/nn/linear.py:1 forward": 30}
     assert peak2 == 0 and sites2 == {}  # a step that allocates nothing peaks at what it started with
+
+
+def test_rounds_interleave_the_arms_a_row_each(trainer_bench, monkeypatch, tmp_path):
+    """--rounds 2: A, B, A, B, each row noting its round, in the table as each arm ends."""
+    ran = []
+
+    def run_arm(arm, *args):
+        ran.append(arm)
+        return dict(step_ms=1.0, spread_ms=0.0, peak_gib=0.0, note="20 steps after 6")
+
+    monkeypatch.setattr(trainer_bench, "run_arm", run_arm)
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr("sys.argv", ["trainer_bench", "--arms", "adamw_fused,forge_eager", "--rounds", "2",
+                                     "--table", str(tmp_path / "results.csv"), "--out", str(out)])
+    trainer_bench.main()
+    rows = json.loads(out.read_text())
+    assert ran == ["adamw_fused", "forge_eager"] * 2
+    assert [r["arm"] for r in rows] == ["trainer_adamw_fused", "trainer_forge_eager"] * 2
+    assert [r["note"] for r in rows] == [f"20 steps after 6; round {r} of 2" for r in (1, 1, 2, 2)]
+    assert (tmp_path / "results.csv").read_text().count("trainer_forge_eager") == 2
+    monkeypatch.setattr("sys.argv", ["trainer_bench", "--rounds", "0"])
+    with pytest.raises(SystemExit):
+        trainer_bench.main()
