@@ -109,3 +109,19 @@ def test_what_was_queued_is_stepped_when_a_later_tensor_fails():
     moved = [not torch.equal(b, v) for b, v in zip(before, model.vectors)]
     assert moved == [True, True, False, False, False]
     assert [optimizer.state[v].step for v in model.vectors] == [1, 1, 0, 0, 0]
+
+
+def test_a_first_launch_inside_a_capture_is_refused_clearly(monkeypatch):
+    """Its table, work list and kernel are made at an eager launch: a capture that comes first
+    is refused with the fix, before anything is launched."""
+    from forge_hf.core import codecs
+
+    kind = (torch.device("cpu"), codecs.BF16, True, (codecs.BF16, codecs.BF16, codecs.NONE))
+    batch = multi_tensor.MultiTensorRulePass(kind, "adamw", True)
+    batch._cuda = True  # as on a GPU, whose capture is stood in for
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    w = torch.zeros(10, dtype=torch.bfloat16)
+    batch.add(w, w, [w, w, None], torch.zeros(16, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="1 small tensors' rule steps is first needed while a CUDA graph is "
+                                           "captured.*run an eager step.*warmup_steps"):
+        batch.launch(torch.zeros(2))

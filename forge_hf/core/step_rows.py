@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .arg_words import ARGS_LEN, ROW_STRIDE, STEP_WORDS, int32, prepare_step, step_key
+from .pinned_ring import PinnedRing
 
 _NO_WORDS = [0] * STEP_WORDS  # a row whose next step is not known: its own launch writes it
 
@@ -46,8 +47,6 @@ class _Row:
 
 class StepRows:
     """The eager argument rows of one device (``rows_for(device)``)."""
-
-    HOST_BUFFERS = 2
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -121,14 +120,10 @@ class StepRows:
             self._retired.append(self._table)
         self._table = table
         self._views = [r[:ARGS_LEN] for r in table]  # views made once: a view costs host time
-        pinned = self._cuda
         statics = np.zeros((capacity, 2), dtype=np.int32)  # each row's salt and first row
         statics[:self._capacity] = self._statics
         self._statics = statics
-        self._hosts = [torch.zeros(capacity, ROW_STRIDE, dtype=torch.int32, pin_memory=pinned)
-                       for _ in range(self.HOST_BUFFERS)]
-        self._copied = [None] * self.HOST_BUFFERS
-        self._next = 0
+        self._ring = PinnedRing(capacity, ROW_STRIDE, torch.int32, self.device)
         self._capacity = capacity
         for row in self._rows:
             row.key = None  # the new table holds nothing yet
@@ -169,18 +164,10 @@ class StepRows:
     def _copy(self, step_words: list, rows: slice) -> None:
         """The table's ``rows`` = their ``step_words`` and statics, by one copy from the
         next host buffer."""
-        b = self._next
-        self._next = (b + 1) % self.HOST_BUFFERS
-        if self._copied[b] is not None:
-            self._copied[b].synchronize()  # its last copy has left: it may be written again
-        host = self._hosts[b][rows]
-        table_words = host.numpy()
+        table_words = self._ring.take(rows)
         table_words[:, :STEP_WORDS] = step_words
         table_words[:, STEP_WORDS:ARGS_LEN] = self._statics[rows]
-        self._table[rows].copy_(host, non_blocking=self._cuda)
-        if self._cuda:
-            self._copied[b] = torch.cuda.Event()
-            self._copied[b].record()
+        self._ring.send(self._table[rows])
 
 
 _TABLES: dict[tuple[str, int | None], StepRows] = {}

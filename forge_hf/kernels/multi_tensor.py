@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..core import codecs
 from ..core.codecs import storage_kind
+from ..core.pinned_ring import PinnedRing
 from .compiled import launch_compiled
 from .fused_update import INTERPRETER, RULE_UPDATES, compile_options
 from .state_tiles import FP32, NONE, decode_state, store_state
@@ -118,15 +119,13 @@ def batch_kind(weight: torch.Tensor, grad: torch.Tensor, slots: list) -> tuple |
 
 class MultiTensorRulePass:
     """One launch stepping every tensor added since the last ``launch``: ``add(weight, grad,
-    slots, args)`` for each (all of one ``batch_kind``), then ``launch(stats)``. The table's
-    host rows are pinned and written again only after their copy has left.
+    slots, args)`` for each (all of one ``batch_kind``), then ``launch(stats)``, within the
+    step that holds those gradients. The table goes to the device through a PinnedRing.
 
     A CUDA graph captures the table's copy from pinned memory, which each replay reads again:
     a capture takes a pinned buffer and device table of its own (made at an eager launch, since
     a capture cannot allocate pinned memory safely), kept as long as this object. Its work list
     and compiled kernel come from an eager launch of the same tensors too."""
-
-    HOST_BUFFERS = 2
 
     def __init__(self, kind: tuple, rule_name: str, stochastic: bool):
         self.device, w_kind, g_bf16, kinds = kind
@@ -136,12 +135,9 @@ class MultiTensorRulePass:
                                 TILE=TILE, TILES=TILES)
         self._options = compile_options(dict(num_warps=4, num_stages=1))
         self._rows: list[list[int]] = []
-        self._keep: list[torch.Tensor] = []  # what the rows point at, until the launch is queued
         self._work: dict[tuple, torch.Tensor] = {}  # tensor lengths -> device work list
-        self._hosts: list[torch.Tensor] = []
-        self._copied: list = [None] * self.HOST_BUFFERS
-        self._next = 0
         self._table = None
+        self._ring = None
         self._again = None
         self._stream = None  # the CUDA stream of the last launch
         self._spare = None  # (pinned rows, device table) for the next capture
@@ -150,7 +146,6 @@ class MultiTensorRulePass:
     def add(self, weight, grad, slots, args) -> None:
         pointers = [s.data_ptr() if s is not None else 0 for s in slots]
         self._rows.append([weight.data_ptr(), grad.data_ptr(), *pointers, args.data_ptr(), weight.numel(), 0])
-        self._keep.append(grad)
 
     def launch(self, stats: torch.Tensor) -> None:
         rows, self._rows = self._rows, []
@@ -181,7 +176,6 @@ class MultiTensorRulePass:
                                           self._options)
         else:
             self._again(grid, positional)
-        self._keep = []
 
     def _captured_table(self, rows: list, work) -> torch.Tensor:
         """The table of a step being captured: the spare buffers, the graph's from now on."""
@@ -209,18 +203,8 @@ class MultiTensorRulePass:
         if self._table is None or self._table.shape[0] < len(rows):
             capacity = max(64, 2 * len(rows))
             self._table = torch.zeros(capacity, FIELDS, dtype=torch.int64, device=self.device)
-            self._hosts = [torch.zeros(capacity, FIELDS, dtype=torch.int64, pin_memory=self._cuda)
-                           for _ in range(self.HOST_BUFFERS)]
-            self._copied = [None] * self.HOST_BUFFERS
-        b = self._next
-        self._next = (b + 1) % self.HOST_BUFFERS
-        if self._copied[b] is not None:
-            self._copied[b].synchronize()  # its last copy has left: it may be written again
-        host = self._hosts[b][:len(rows)]
-        host.numpy()[:] = np.asarray(rows, dtype=np.int64)
+            self._ring = PinnedRing(capacity, FIELDS, torch.int64, self.device)
+        self._ring.take(slice(0, len(rows)))[:] = np.asarray(rows, dtype=np.int64)
         table = self._table[:len(rows)]
-        table.copy_(host, non_blocking=self._cuda)
-        if self._cuda:
-            self._copied[b] = torch.cuda.Event()
-            self._copied[b].record()
+        self._ring.send(table)
         return table
