@@ -141,8 +141,14 @@ def test_the_persistent_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(
     log = []
     monkeypatch.setattr(fused_update, "INTERPRETER", False)
     monkeypatch.setattr(dispatch, "BoundLaunch", lambda *args, **kwargs: _Recorder("triton", log))
-    monkeypatch.setattr(persistent_launch, "PersistentLaunch",
-                        lambda *args: _Recorder("persistent", log))
+    class Persistent(_Recorder):  # launches (True) only tokens the kernel takes, as PersistentLaunch
+        def __call__(self, x, dy, args, stats):
+            taken = persistent_launch.tokens_unsupported(x, dy) is None
+            if taken:
+                super().__call__()
+            return taken
+
+    monkeypatch.setattr(persistent_launch, "PersistentLaunch", lambda *args: Persistent("persistent", log))
     cpu_says = persistent_launch.device_unsupported
 
     def hopper_says(device):  # the device check as on a Hopper GPU: only the environment switch refuses

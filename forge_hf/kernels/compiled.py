@@ -2,15 +2,17 @@
 
 Triton's JIT dispatch costs ~60 us of host time a launch (it re-derives the kernel's
 specialisation from every argument); a step launches a few hundred kernels and the GPU
-would wait on the host. Once compiled, a kernel is launched directly (~16 us), keyed by
-what Triton specialises on: dtypes, 16-byte alignment of pointers, and for integers
-whether they are 1 or multiples of 16 (a TMA descriptor: its tensor's dtype; its block
-shape and layout are fixed by the caller).
+would wait on the host. Once compiled, a kernel is launched again without it
+(direct_launch.py), keyed by what Triton specialises on: dtypes, 16-byte alignment of
+pointers, and for integers whether they are 1 or multiples of 16 (a TMA descriptor: its
+tensor's dtype; its block shape and layout are fixed by the caller).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .direct_launch import direct_launcher
 
 _COMPILED: dict = {}
 
@@ -38,7 +40,8 @@ def _specialisation(positional: list) -> tuple:
 def launch_compiled(kernel, grid: tuple, positional: list, constexprs: dict, options: dict):
     """kernel[grid](*positional, **constexprs, **options), compiled once per specialisation.
     Returns a function that launches the same compiled kernel again, ``again(grid,
-    positional)``, for arguments Triton would specialise the same way."""
+    positional)``, for arguments Triton would specialise the same way: a DirectLauncher
+    where Triton's launcher has the layout direct_launch.py reads."""
     device = next(a.device if isinstance(a, torch.Tensor) else a.base.device
                   for a in positional if isinstance(a, torch.Tensor) or hasattr(a, "block_shape"))
     # one device per launch (a compiled kernel is loaded on one)
@@ -50,9 +53,20 @@ def launch_compiled(kernel, grid: tuple, positional: list, constexprs: dict, opt
             "is captured, where it cannot be compiled: run an eager step with the same model, shapes and "
             "dtypes before capturing (GraphedStep's warmup_steps)")
     if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
-        names = [p.name for p in kernel.params if p.is_constexpr]  # in the kernel's parameter order
-        compiled = _COMPILED[key] = kernel[grid](*positional, **constexprs, **options), names
+        kernel_ = kernel[grid](*positional, **constexprs, **options)
+        compiled = _COMPILED[key] = _again(kernel_, device, constexprs, kernel)
     else:
-        compiled[0][(*grid, 1, 1)[:3]](*positional, *(constexprs[name] for name in compiled[1]))
-    kernel_, constexpr_values = compiled[0], tuple(constexprs[name] for name in compiled[1])
+        compiled(grid, positional)
+    return compiled
+
+
+def _again(kernel_, device: torch.device, constexprs: dict, kernel):
+    """launch(grid, positional) of the compiled ``kernel_``."""
+    # the constexprs in the kernel's parameter order, after the others
+    constexpr_values = tuple(constexprs[p.name] for p in kernel.params if p.is_constexpr)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        direct = direct_launcher(kernel_, constexpr_values, index)
+        if direct is not None:
+            return direct
     return lambda grid, positional: kernel_[(*grid, 1, 1)[:3]](*positional, *constexpr_values)

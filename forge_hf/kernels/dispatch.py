@@ -161,15 +161,13 @@ def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: 
         return launch
     triton_launch = BoundLaunch(weight, slots, rule_name, stochastic)
     if not _kernels().INTERPRETER:
-        from .persistent_launch import PersistentLaunch, device_unsupported, tokens_unsupported, weight_unsupported
+        from .persistent_launch import PersistentLaunch, device_unsupported, weight_unsupported
 
         if device_unsupported(weight.device) is None and weight_unsupported(weight, slots) is None:
             persistent = PersistentLaunch(weight, slots, stats, _kernels().RULE_UPDATES[rule_name], stochastic)
 
             def launch(x, dy, args, stats):
-                if tokens_unsupported(x, dy) is None:
-                    persistent(x, dy, args, stats)
-                else:
+                if not persistent(x, dy, args, stats):  # tokens it cannot take
                     triton_launch(x, dy, args, stats)
             return launch
     return triton_launch

@@ -17,10 +17,12 @@ import triton
 from ..core import codecs
 from ..core.codecs import QuantisedSlot, storage_kind
 from .compiled import int_spec, launch_compiled, tensor_spec
+from .direct_launch import DirectLauncher
 from .persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
 
 NUM_BUF = 5  # ring slots a lane: 4 -> 5 was 49.3 -> 48.1 ms; 6 does not fit shared memory
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 12 warps: 8 consumers, 2 producers (a warpgroup)
+_TOKEN_PLACES = 16  # token descriptors a layer keeps encoded (a few places a step; eval and train differ)
 KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED)  # al8 and fp32 states: not here
 
 
@@ -115,10 +117,11 @@ def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic
 
 class PersistentLaunch:
     """One layer's launches of the persistent kernel, with what stays the same from step to
-    step built once: the TMA descriptors of its weight and states, the constexprs, the grid.
-    A step then builds the descriptors of its tokens and launches (``launch(x, dy, args,
-    stats)``); ``weight`` and ``slots`` must stay where they are (the caller rebinds when a
-    state is allocated or loaded)."""
+    step built once: the TMA descriptors of its weight and states (encoded once where the
+    kernel is launched directly, direct_launch.py), the constexprs, the grid. A step then
+    finds or encodes the descriptors of its tokens and launches (``launch(x, dy, args,
+    stats)``, False where the tokens do not suit the kernel); ``weight`` and ``slots`` must
+    stay where they are (the caller rebinds when a state is allocated or loaded)."""
 
     def __init__(self, weight, slots, stats, rule_update, stochastic):
         positional, self.constexprs, self.options = persistent_launch_arguments(
@@ -128,6 +131,7 @@ class PersistentLaunch:
         self.grid = _grid(weight)
         self._again: dict = {}  # what Triton specialises on that may change: token count, args' alignment
         self._token_templates: dict = {}  # dtype -> a checked descriptor of tokens, reused for others
+        self._expanded: dict = {}  # (position, address, rows, row stride) -> a token descriptor, encoded
 
     def _token_descriptor(self, t: torch.Tensor):
         """A descriptor of ``t`` (bf16, TMA-aligned: tokens_unsupported checked it) made from
@@ -144,14 +148,42 @@ class PersistentLaunch:
         descriptor.__dict__.update(fields, base=t, shape=t.shape, strides=t.stride())
         return descriptor
 
-    def __call__(self, x, dy, args, stats) -> None:
+    def _expanded_tokens(self, direct, position: int, t: torch.Tensor) -> list | None:
+        """``t``'s descriptor as the C launcher takes it (None: the kernel cannot take ``t``),
+        encoded once for each place the tensor is at: an eager step's tokens come back to
+        the same addresses step after step. The key holds all that tokens_unsupported reads."""
+        key = (position, t.data_ptr(), t.shape, t.stride(), t.dtype)
+        expanded = self._expanded.get(key, False)
+        if expanded is False:
+            if len(self._expanded) >= _TOKEN_PLACES:
+                self._expanded.clear()
+            expanded = None if tokens_unsupported(t, t) else direct.expand(position, self._token_descriptor(t))
+            self._expanded[key] = expanded
+        return expanded
+
+    def __call__(self, x, dy, args, stats) -> bool:
+        """Launch the step; False (nothing launched) where the kernel cannot take ``x`` or ``dy``."""
         t = x.shape[0]
-        positional = [self._token_descriptor(x), self._token_descriptor(dy), *self.fixed, args, stats,
-                      self.n, self.k, t]
         spec = (int_spec(t), tensor_spec(args), tensor_spec(stats))
         again = self._again.get(spec)
-        if again is None:
-            self._again[spec] = launch_compiled(persistent_update_kernel, self.grid, positional, self.constexprs,
-                                                self.options)
-        else:
-            again(self.grid, positional)
+        if again is not None and again[1] is not None and not again[0].hooked():
+            direct, fixed = again
+            x_desc, dy_desc = self._expanded_tokens(direct, 0, x), self._expanded_tokens(direct, 1, dy)
+            if x_desc is None or dy_desc is None:
+                return False
+            direct.launch_expanded(self.grid, [*x_desc, *dy_desc, *fixed, args, stats, self.n, self.k, t])
+            return True
+        if tokens_unsupported(x, dy):
+            return False
+        positional = [self._token_descriptor(x), self._token_descriptor(dy), *self.fixed, args, stats,
+                      self.n, self.k, t]
+        if again is not None:
+            again[0](self.grid, positional)
+            return True
+        launch = launch_compiled(persistent_update_kernel, self.grid, positional, self.constexprs, self.options)
+        fixed = None
+        if isinstance(launch, DirectLauncher):  # the weight's and states' descriptors encoded once
+            descriptors, metas = self.fixed[:4], self.fixed[4:]
+            fixed = [a for i, d in enumerate(descriptors) for a in launch.expand(2 + i, d)] + list(metas)
+        self._again[spec] = (launch, fixed)
+        return True
