@@ -146,6 +146,16 @@ def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
     for owner, name, kind in patched:
         setattr(owner, name, timed(kind, getattr(owner, name)))
+    token_lookups = [0, 0]  # the persistent kernel's token descriptors: looked up, encoded anew
+    find_tokens = persistent_launch.PersistentLaunch._expanded_tokens
+
+    def counted(self, direct, position, t):
+        token_lookups[0] += 1
+        token_lookups[1] += (position, t.data_ptr(), t.shape, t.stride(), t.dtype) not in self._expanded
+        return find_tokens(self, direct, position, t)
+
+    persistent_launch.PersistentLaunch._expanded_tokens = counted
+    originals.append((persistent_launch.PersistentLaunch, "_expanded_tokens", find_tokens))
     try:
         for _ in range(steps):
             step()
@@ -156,6 +166,8 @@ def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
     layers = calls["backward"]  # per fused layer and step: ForgeOptimizer's launches are outside it
     us = {k: spent[k] / (calls["forward"] if k == "forward" else layers) * 1e6 for k in spent}
     parts = ", ".join(f"{k} {v:.1f}" for k, v in us.items() if k not in ("forward", "backward"))
+    print(f"persistent kernel token descriptors over the timed steps: {token_lookups[1]} encoded "
+          f"of {token_lookups[0]} looked up")
     print(f"{model_name} ({state} state): host us per fused layer and step: forward {us['forward']:.1f}, "
           f"backward {us['backward']:.1f} ({parts}), total {us['forward'] + us['backward']:.1f}")
     return us

@@ -300,8 +300,8 @@ def main() -> None:
     p.add_argument("--arms", default="adamw_fused,adamw_fused_compile,forge_eager,forge")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1,
-                   help="run the arms this many times, interleaved (A, B, A, B, ...): a row each, under the "
-                        "same drift of the host's speed, for the report to take medians of")
+                   help="run the arms this many times, interleaved, every other round reversed (A, B, B, A, ...): "
+                        "a row each, under the same drift of the host's speed, for the report to take medians of")
     p.add_argument("--warmup", type=int, default=6, help="untimed steps (compile, capture)")
     p.add_argument("--bf16", choices=("on", "off"), default="on",
                    help="TrainingArguments.bf16 (autocast) for the arms without FSDP2")
@@ -344,7 +344,9 @@ def main() -> None:
     for model_name in opts.models.split(","):
         for cell in opts.batches.split(","):
             batch, length = map(int, cell.split("x"))
-            for arm, round_ in ((arm, r) for r in range(opts.rounds) for arm in opts.arms.split(",")):
+            arms = opts.arms.split(",")
+            # every other round in reverse: no arm always runs first (or after the same one)
+            for arm, round_ in ((arm, r) for r in range(opts.rounds) for arm in (arms[::-1] if r % 2 else arms)):
                 label = arm_label(arm, opts.forge_options, opts.liger == "on", opts.loss_rows, opts.overlap == "on",
                                   opts.step_sync == "on", opts.non_blocking == "on")
                 row = dict(model=model_name, batch=cell, arm=label,

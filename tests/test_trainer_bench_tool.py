@@ -51,7 +51,7 @@ def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_ben
 
 
 def test_rounds_interleave_the_arms_a_row_each(trainer_bench, monkeypatch, tmp_path):
-    """--rounds 2: A, B, A, B, each row noting its round, in the table as each arm ends."""
+    """--rounds 2: A, B, then B, A, each row noting its round, in the table as each arm ends."""
     ran = []
 
     def run_arm(arm, *args):
@@ -64,8 +64,9 @@ def test_rounds_interleave_the_arms_a_row_each(trainer_bench, monkeypatch, tmp_p
                                      "--table", str(tmp_path / "results.csv"), "--out", str(out)])
     trainer_bench.main()
     rows = json.loads(out.read_text())
-    assert ran == ["adamw_fused", "forge_eager"] * 2
-    assert [r["arm"] for r in rows] == ["trainer_adamw_fused", "trainer_forge_eager"] * 2
+    assert ran == ["adamw_fused", "forge_eager", "forge_eager", "adamw_fused"]
+    assert [r["arm"] for r in rows] == ["trainer_adamw_fused", "trainer_forge_eager", "trainer_forge_eager",
+                                        "trainer_adamw_fused"]
     assert [r["note"] for r in rows] == [f"20 steps after 6; round {r} of 2" for r in (1, 1, 2, 2)]
     assert (tmp_path / "results.csv").read_text().count("trainer_forge_eager") == 2
     monkeypatch.setattr("sys.argv", ["trainer_bench", "--rounds", "0"])
