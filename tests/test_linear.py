@@ -73,6 +73,38 @@ def test_autocast_bf16_with_fp32_weights(backend, device):
     torch.testing.assert_close(lin.weight, before - exact_gradient(x, dy).float().to(device), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_autocast_is_left_on_only_where_it_would_cast_nothing(backend, device, weight_dtype, monkeypatch):
+    """bf16 tokens, weight and bias under bf16 autocast: the fused forward runs without
+    switching autocast off (no cast to make), with the bits of a step without autocast;
+    fp32 weights still get autocast's casts."""
+    x, dy = exact_inputs((20, 64), 48, dtype=torch.bfloat16, device=device)
+    runs = {}
+    for autocast in (False, True):
+        lin = torch.nn.Linear(64, 48, device=device).to(weight_dtype)
+        with torch.no_grad():
+            lin.weight.copy_(torch.linspace(-0.5, 0.5, 48 * 64).view(48, 64))
+            lin.bias.copy_(torch.linspace(-0.1, 0.1, 48))
+        layer = ForgeLinear.from_linear(lin, optimizer="adamw", lr=1e-2, backend=backend)
+        entered = []
+        real = torch.autocast
+
+        def recording(*args, entered=entered, real=real, **kwargs):
+            entered.append(kwargs.get("enabled"))
+            return real(*args, **kwargs)
+
+        with real(device.type, dtype=torch.bfloat16, enabled=autocast):
+            monkeypatch.setattr(torch, "autocast", recording)
+            y = layer(x)
+            monkeypatch.setattr(torch, "autocast", real)
+        y.backward(dy)
+        assert entered == ([False] if autocast and weight_dtype == torch.float32 else [])
+        runs[autocast] = (y.detach(), lin.weight.detach(), lin.bias.grad)
+    if weight_dtype == torch.bfloat16:
+        for a, b in zip(runs[False], runs[True]):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_nonfinite_tile_is_skipped_and_counted(backend, device):
     lin = torch.nn.Linear(100, 80, bias=False, device=device)
     layer = ForgeLinear.from_linear(lin, optimizer="sgd", lr=0.1, backend=backend)

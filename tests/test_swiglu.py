@@ -33,15 +33,17 @@ def _ids(seed):
     return torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_recomputed_swiglu_trains_bit_for_bit_as_autograd(dtype, backend, single_thread):
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.bfloat16, True)])
+def test_recomputed_swiglu_trains_bit_for_bit_as_autograd(dtype, autocast, backend, single_thread):
     runs = []
     for recompute in (False, True):
         model, opt = patched(dtype, backend, recompute)
         losses = []
         for step in range(3):
             ids = _ids(step)
-            loss = model(input_ids=ids, labels=ids).loss
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

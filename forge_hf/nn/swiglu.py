@@ -27,6 +27,8 @@ SILU_ACTS = ("silu", "swish")
 class SwiGLUDownFunction(torch.autograd.Function):
     """y = (silu(gate) * up) W^T + b; backward returns d(gate), d(up), db and steps W."""
 
+    forge_autocast_neutral = True  # silu, mul and linear: autocast casts none of them to fp32
+
     @staticmethod
     def forward(ctx, gate, up, anchor, bias, layer):
         ctx.layer = layer
