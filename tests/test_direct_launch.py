@@ -23,6 +23,29 @@ def test_no_direct_launcher_for_what_is_not_a_compiled_cuda_kernel():
     assert direct_launcher(object(), (), 0) is None
 
 
+def test_a_hook_added_or_a_chain_replaced_sends_launches_through_triton(monkeypatch):
+    """A profiler adds its hook to Triton's chains, or code assigns its own hook in their
+    place: either way the direct launch, which calls no hook, must give way."""
+    from triton import knobs
+
+    launcher = object.__new__(DirectLauncher)  # only the hook check: no GPU, no kernel
+    launcher._runtime = knobs.runtime
+    launcher._enter, launcher._exit = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    assert not launcher.hooked()
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        assert launcher.hooked()
+    finally:
+        knobs.runtime.launch_exit_hook.remove(hook)
+    assert not launcher.hooked()
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    assert launcher.hooked()
+
+
 def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 

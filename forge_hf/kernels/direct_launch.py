@@ -93,6 +93,9 @@ class DirectLauncher:
         self._make_descriptor = _driver_module().make_tensordesc_arg
         self._stream = triton.runtime.driver.active.get_current_stream
         self._device_index = device_index
+        from triton import knobs
+
+        self._runtime = knobs.runtime
         self._enter, self._exit = _hooks()
 
     def expand(self, position: int, descriptor) -> list:
@@ -105,8 +108,10 @@ class DirectLauncher:
         return self._metas.keys()
 
     def hooked(self) -> bool:
-        """Whether a launch hook is registered (the caller must launch through Triton then)."""
-        return bool(self._enter.calls or self._exit.calls)
+        """Whether a launch hook is registered (the caller must launch through Triton then):
+        added to Triton's hook chains, or the chains replaced by something else."""
+        enter, exit_ = self._runtime.launch_enter_hook, self._runtime.launch_exit_hook
+        return enter is not self._enter or exit_ is not self._exit or bool(enter.calls or exit_.calls)
 
     def launch_expanded(self, grid: tuple, flat: list) -> None:
         """(Check ``hooked()`` first: this launch calls no hook.)"""
