@@ -54,14 +54,14 @@ def launch_compiled(kernel, grid: tuple, positional: list, constexprs: dict, opt
             "dtypes before capturing (GraphedStep's warmup_steps)")
     if compiled is None:  # compile (or find in Triton's cache) through the JIT, once
         kernel_ = kernel[grid](*positional, **constexprs, **options)
-        compiled = _COMPILED[key] = _again(kernel_, device, constexprs, kernel)
+        compiled = _COMPILED[key] = _relauncher(kernel, kernel_, device, constexprs)
     else:
         compiled(grid, positional)
     return compiled
 
 
-def _again(kernel_, device: torch.device, constexprs: dict, kernel):
-    """launch(grid, positional) of the compiled ``kernel_``."""
+def _relauncher(kernel, kernel_, device: torch.device, constexprs: dict):
+    """launch(grid, positional) of ``kernel_``, ``kernel`` as compiled for these constexprs."""
     # the constexprs in the kernel's parameter order, after the others
     constexpr_values = tuple(constexprs[p.name] for p in kernel.params if p.is_constexpr)
     if device.type == "cuda":

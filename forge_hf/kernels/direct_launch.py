@@ -81,6 +81,7 @@ class DirectLauncher:
     def __init__(self, compiled, run, c_launch, descriptor_metas: dict, constexpr_values: tuple,
                  device_index: int):
         import triton
+        from triton import knobs
 
         compiled._init_handles()
         self.compiled = compiled
@@ -93,19 +94,13 @@ class DirectLauncher:
         self._make_descriptor = _driver_module().make_tensordesc_arg
         self._stream = triton.runtime.driver.active.get_current_stream
         self._device_index = device_index
-        from triton import knobs
-
         self._runtime = knobs.runtime
         self._enter, self._exit = _hooks()
 
     def expand(self, position: int, descriptor) -> list:
         """The C launcher's arguments for the TMA descriptor at kernel argument ``position``
-        (its encoded map, shape and strides): encoded now, valid while its tensor stays where it is."""
+        (its encoded map, shape and strides): encoded now, valid while its tensor stays put."""
         return self._make_descriptor(descriptor, self._metas[position])
-
-    @property
-    def descriptor_positions(self):
-        return self._metas.keys()
 
     def hooked(self) -> bool:
         """Whether a launch hook is registered (the caller must launch through Triton then):

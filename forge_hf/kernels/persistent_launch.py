@@ -131,7 +131,7 @@ class PersistentLaunch:
         self.grid = _grid(weight)
         self._again: dict = {}  # what Triton specialises on that may change: token count, args' alignment
         self._token_templates: dict = {}  # dtype -> a checked descriptor of tokens, reused for others
-        self._expanded: dict = {}  # (position, address, rows, row stride) -> a token descriptor, encoded
+        self._expanded: dict = {}  # (position, address, shape, strides, dtype) -> a token descriptor, encoded
 
     def _token_descriptor(self, t: torch.Tensor):
         """A descriptor of ``t`` (bf16, TMA-aligned: tokens_unsupported checked it) made from
