@@ -1,6 +1,7 @@
 """Host-to-device copies of small tables through pinned host buffers used in turn: a buffer
 is written again only after its last copy has left it (an event), so the host never waits
-for the GPU to catch up except on a buffer still in flight."""
+for the GPU to catch up except on a buffer still in flight. And the order of the streams
+whose kernels read such a table (StreamOrder)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,22 @@ class PinnedRing:
         if self._cuda:
             self._copied[b] = torch.cuda.Event()
             self._copied[b].record()
+
+
+class StreamOrder:
+    """``follow()`` before writing or reading a device table that is rewritten in place: on a
+    switch of CUDA stream the new stream first waits for the old one, whose kernels may not
+    have read the table yet nor its last copy have landed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = None  # the stream of the last follow(), and its raw handle
+        self._raw = None
+
+    def follow(self) -> None:
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        if raw != self._raw:
+            stream = torch.cuda.current_stream(self.device)
+            if self._stream is not None:
+                stream.wait_stream(self._stream)
+            self._stream, self._raw = stream, raw

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .arg_words import ARGS_LEN, ROW_STRIDE, STEP_WORDS, int32, prepare_step, step_key
-from .pinned_ring import PinnedRing
+from .pinned_ring import PinnedRing, StreamOrder
 
 _NO_WORDS = [0] * STEP_WORDS  # a row whose next step is not known: its own launch writes it
 
@@ -58,8 +58,7 @@ class StepRows:
         self._statics = np.zeros((0, 2), dtype=np.int32)
         self._views: list[torch.Tensor] = []
         self._retired: list[torch.Tensor] = []  # earlier tables: kernels in flight may still read them
-        self._stream = None  # the CUDA stream of the last launch, and its raw handle
-        self._raw_stream = None
+        self._streams = StreamOrder(device) if self._cuda else None
         self._held: list[_Row] = []
 
     def args(self, rule, group: dict, state, salt: int, row0: int, hold: bool = False) -> torch.Tensor:
@@ -76,7 +75,7 @@ class StepRows:
             row.statics, row.key = (salt, row0), None
             self._statics[i] = (int32(salt), int32(row0))
         if self._cuda:
-            self._follow_stream()
+            self._streams.follow()
         key = step_key(rule, group, state.host)
         if key is None or row.key != key:
             self._write(i, key)
@@ -91,14 +90,6 @@ class StepRows:
         for row in self._held:
             row.held = False
         self._held.clear()
-
-    def _follow_stream(self) -> None:
-        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
-        if raw != self._raw_stream:
-            stream = torch.cuda.current_stream(self.device)
-            if self._stream is not None:  # its kernels may not have read the rows yet
-                stream.wait_stream(self._stream)
-            self._stream, self._raw_stream = stream, raw
 
     def _add(self, state, rule, group, statics) -> int:
         if self._free:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..core import codecs
 from ..core.codecs import storage_kind
-from ..core.pinned_ring import PinnedRing
+from ..core.pinned_ring import PinnedRing, StreamOrder
 from .compiled import launch_compiled
 from .fused_update import INTERPRETER, RULE_UPDATES, compile_options
 from .state_tiles import FP32, NONE, decode_state, store_state
@@ -139,7 +139,7 @@ class MultiTensorRulePass:
         self._table = None
         self._ring = None
         self._again = None
-        self._stream = None  # the CUDA stream of the last launch
+        self._streams = StreamOrder(self.device) if self._cuda else None
         self._spare = None  # (pinned rows, device table) for the next capture
         self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []  # what captured graphs copy and read
 
@@ -159,10 +159,7 @@ class MultiTensorRulePass:
             if work is None:
                 work = self._work[lengths] = self._work_list(lengths)
             if self._cuda:
-                stream = torch.cuda.current_stream(self.device)
-                if self._stream is not None and stream != self._stream:
-                    stream.wait_stream(self._stream)  # its kernel may not have read the table yet
-                self._stream = stream
+                self._streams.follow()
             table = self._table_for(rows)
             if self._cuda and (self._spare is None or self._spare[0].shape[0] < len(rows)):
                 self._spare = (torch.zeros(len(rows), FIELDS, dtype=torch.int64, pin_memory=True),
