@@ -151,7 +151,7 @@ def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
 
     def counted(self, direct, position, t):
         token_lookups[0] += 1
-        token_lookups[1] += (position, t.data_ptr(), t.shape, t.stride(), t.dtype) not in self._expanded
+        token_lookups[1] += self.token_key(position, t) not in self._expanded
         return find_tokens(self, direct, position, t)
 
     persistent_launch.PersistentLaunch._expanded_tokens = counted

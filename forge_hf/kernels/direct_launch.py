@@ -52,14 +52,15 @@ def direct_launcher(compiled, constexpr_values: tuple, device_index: int) -> Dir
     the launcher's layout is not the one this reads."""
     driver = _driver_module()
     run = getattr(compiled, "run", None)
-    if driver is None or getattr(driver, "_BASE_ARGS_FORMAT", None) != _LAYOUT or _hooks() is None:
+    hooks = _hooks()
+    if driver is None or getattr(driver, "_BASE_ARGS_FORMAT", None) != _LAYOUT or hooks is None:
         return None
     if type(run).__name__ != "CudaLauncher" or getattr(run, "num_ctas", 1) != 1 or \
             getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
         return None
     launch = getattr(run, "launch", None)
     if isinstance(launch, types.BuiltinFunctionType):  # no descriptors: the C launcher itself
-        return DirectLauncher(compiled, run, launch, {}, constexpr_values, device_index)
+        return DirectLauncher(compiled, run, launch, {}, constexpr_values, device_index, hooks)
     if not isinstance(launch, types.FunctionType):
         return None
     free = _closure(launch)
@@ -68,7 +69,7 @@ def direct_launcher(compiled, constexpr_values: tuple, device_index: int) -> Dir
             or len(metas) != len(positions) or not hasattr(driver, "make_tensordesc_arg"):
         return None  # descriptors lowered without TMA metadata: Triton passes them another way
     return DirectLauncher(compiled, run, c_launch, dict(zip(sorted(positions), metas)), constexpr_values,
-                          device_index)
+                          device_index, hooks)
 
 
 class DirectLauncher:
@@ -79,7 +80,7 @@ class DirectLauncher:
     gave it, in its place."""
 
     def __init__(self, compiled, run, c_launch, descriptor_metas: dict, constexpr_values: tuple,
-                 device_index: int):
+                 device_index: int, hooks: tuple):
         import triton
         from triton import knobs
 
@@ -95,7 +96,7 @@ class DirectLauncher:
         self._stream = triton.runtime.driver.active.get_current_stream
         self._device_index = device_index
         self._runtime = knobs.runtime
-        self._enter, self._exit = _hooks()
+        self._enter, self._exit = hooks  # Triton's hook chains when it was made (hooked)
 
     def expand(self, position: int, descriptor) -> list:
         """The C launcher's arguments for the TMA descriptor at kernel argument ``position``

@@ -131,7 +131,7 @@ class PersistentLaunch:
         self.grid = _grid(weight)
         self._again: dict = {}  # what Triton specialises on that may change: token count, args' alignment
         self._token_templates: dict = {}  # dtype -> a checked descriptor of tokens, reused for others
-        self._expanded: dict = {}  # (position, address, shape, strides, dtype) -> a token descriptor, encoded
+        self._expanded: dict = {}  # token_key -> a token descriptor, encoded (None: not the kernel's)
 
     def _token_descriptor(self, t: torch.Tensor):
         """A descriptor of ``t`` (bf16, TMA-aligned: tokens_unsupported checked it) made from
@@ -148,11 +148,17 @@ class PersistentLaunch:
         descriptor.__dict__.update(fields, base=t, shape=t.shape, strides=t.stride())
         return descriptor
 
+    @staticmethod
+    def token_key(position: int, t: torch.Tensor) -> tuple:
+        """What the encoding of ``t``'s descriptor at kernel argument ``position`` depends on,
+        and all that tokens_unsupported reads."""
+        return (position, t.data_ptr(), t.shape, t.stride(), t.dtype)
+
     def _expanded_tokens(self, direct, position: int, t: torch.Tensor) -> list | None:
         """``t``'s descriptor as the C launcher takes it (None: the kernel cannot take ``t``),
-        encoded once for each place the tensor is at: an eager step's tokens come back to
-        the same addresses step after step. The key holds all that tokens_unsupported reads."""
-        key = (position, t.data_ptr(), t.shape, t.stride(), t.dtype)
+        encoded once for each place the tensor is at (token_key): an eager step's tokens come
+        back to the same addresses step after step."""
+        key = self.token_key(position, t)
         expanded = self._expanded.get(key, False)
         if expanded is False:
             if len(self._expanded) >= _TOKEN_PLACES:
