@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from forge_hf.core.codecs import BLOCK, CODECS, MIN_LOG_WIDTH, decode, encode
+from forge_hf.core.codecs import BLOCK, CODECS, LEGACY_AL8_CODEC, MAX_SHIFT, MIN_SHIFT, decode, encode, saved_codec
 from forge_hf.optim.quantization import SPREADS
 
 AL8, ABSMAX8, FLOORED = CODECS["al8"], CODECS["absmax8"], CODECS["absmax8_floored"]
@@ -24,11 +24,22 @@ def per_element(meta_column, cols):
     return meta_column.repeat_interleave(BLOCK, dim=1)[:, :cols]
 
 
+def al8_shift(meta):
+    """Each block's grid shift, from its metadata word (base | shift)."""
+    return meta[..., 0].contiguous().view(torch.int32) & 31
+
+
 def al8_bound(meta, cols, stochastic=False):
-    """Stated al8 bound, relative to the value: half a grid step (a whole one when
-    rounding stochastically) plus fp32 log2/exp2 round-off."""
-    step = torch.exp2(per_element(meta[..., 1], cols) / 254) - 1
-    return (step if stochastic else step / 2) + 2.0**-14
+    """Stated al8 bound, relative to the value: a grid step is 2**shift units in the last
+    place, at most 2**(shift - 23) of the value; half of it rounding to nearest, a whole one
+    stochastically."""
+    step = torch.exp2(per_element(al8_shift(meta), cols).float() - 23)
+    return step if stochastic else step / 2
+
+
+def random_words(shape, seed=1):
+    """32 random bits an element, as the kernels' element hash gives them."""
+    return torch.randint(0, 2**32, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def lognormal(rows, cols, sigma_bits, seed=0):
@@ -45,12 +56,13 @@ matrices = st.integers(1, 3).flatmap(lambda rows: st.integers(1, 150).flatmap(la
 def test_al8_keeps_zero_exact_and_nonzero_nonzero(x, stochastic):
     x = torch.from_numpy(x).abs()
     x[:, ::3] = 0.0  # plenty of exact zeros among the values
-    u = torch.rand(x.shape) if stochastic else 0.5
-    codes, meta = encode(AL8, x, u)
+    codes, meta = encode(AL8, x, random_words(x.shape) if stochastic else None)
     back = decode(AL8, codes, meta)
     assert torch.equal(codes == 0, x == 0)
     assert torch.equal(back == 0, x == 0)
     assert bool(torch.isfinite(back).all())
+    shifts = al8_shift(meta)
+    assert bool(((shifts >= MIN_SHIFT) & (shifts <= MAX_SHIFT)).all())
 
 
 @pytest.mark.parametrize("spread", sorted(SPREADS))
@@ -59,15 +71,18 @@ def test_al8_round_trip_within_stated_bound(spread):
     codes, meta = encode(AL8, x)
     rel = (decode(AL8, codes, meta) - x).abs() / x
     assert bool((rel <= al8_bound(meta, x.shape[1])).all())
-    # the bound follows each block's own log range (narrow blocks are precise)
-    span = torch.log2(x[:, :BLOCK]).amax(1) - torch.log2(x[:, :BLOCK]).amin(1)
-    torch.testing.assert_close(meta[:, 0, 1], span.clamp_min(MIN_LOG_WIDTH), rtol=1e-5, atol=1e-5)
-    print(f"{spread}: median block width {meta[..., 1].median():.2f} bits, max rel. error {rel.max():.3%}")
+    # each block's shift is the smallest whose 252 steps span its values' bits
+    bits = x[:, :BLOCK].view(torch.int32).long()
+    span = bits.amax(1) - bits.amin(1)
+    shift = al8_shift(meta)[:, 0].long()
+    assert bool((span <= 252 * 2**shift).all())
+    assert bool(((shift == MIN_SHIFT) | (span > 252 * 2**(shift - 1))).all())
+    print(f"{spread}: median shift {shift.float().median():.0f}, max rel. error {rel.max():.3%}")
 
 
 def test_al8_stochastic_rounding_is_unbiased_and_within_one_step():
     x = lognormal(1, 2 * BLOCK, 4.0).expand(4000, -1).contiguous()  # one row, 4000 draws
-    codes, meta = encode(AL8, x, torch.rand(x.shape, generator=torch.Generator().manual_seed(1)))
+    codes, meta = encode(AL8, x, random_words(x.shape))
     back = decode(AL8, codes, meta)
     assert bool(((back - x).abs() / x <= al8_bound(meta, x.shape[1], stochastic=True)).all())
     step = al8_bound(meta, x.shape[1], stochastic=True)[0]
@@ -75,14 +90,42 @@ def test_al8_stochastic_rounding_is_unbiased_and_within_one_step():
     assert bool((bias.abs() <= 4 * step / (2 * math.sqrt(4000)) + 1e-6).all())  # 4 sigma
 
 
+def test_al8_grid_starts_every_binade():
+    """A grid step of 2**shift units in the last place divides a binade, so every power of
+    two is a grid point: a value's two neighbours lie in one binade, where the value is
+    linear in the bits, and rounding by the bits is unbiased in value. Values in [1, 3.9]:
+    shift 16, 128 codes a binade, code 1 at 1.0 and code 129 at 2.0."""
+    codes, meta = encode(AL8, torch.linspace(1.0, 3.9, BLOCK).unsqueeze(0))
+    assert int(al8_shift(meta)) == 16
+    grid = decode(AL8, torch.arange(1, 256).to(torch.uint8).unsqueeze(0), meta.expand(1, 4, 1))[0]
+    torch.testing.assert_close(grid[:128], 1.0 + torch.arange(128) / 128, rtol=0, atol=0)
+    torch.testing.assert_close(grid[128:], 2.0 + torch.arange(127) / 64, rtol=0, atol=0)
+
+
 def test_al8_degenerate_blocks():
-    x = torch.zeros(3, 100)
-    x[1] = 0.37  # one value repeated: stored exactly (to fp32 round-off)
-    x[2, 7] = 1e-40  # subnormal: floored at 2**-126, never zero
+    x = torch.zeros(5, 100)
+    x[1] = 0.37  # one value repeated: the finest grid, 2**5 units in the last place
+    x[2, 7] = 1e-40  # subnormal: raised to the grid's floor, 2**-126, never zero
+    x[3, :2] = torch.tensor([2e-38, 1e38])  # 253 binades apart: the smaller raised to the grid, 252 below
+    x[4, :2] = torch.tensor([1.0, 2.0**127 - 2.0**103])  # below 2**127: never rounded up to infinity
     back = decode(AL8, *encode(AL8, x))
     assert torch.equal(back[0], x[0])
-    torch.testing.assert_close(back[1], x[1], rtol=1e-6, atol=0)
-    assert back[2, 7] > 0 and int((back[2] != 0).sum()) == 1
+    torch.testing.assert_close(back[1], x[1], rtol=2.0**-19, atol=0)
+    assert back[2, 7] == 2.0**-126 and int((back[2] != 0).sum()) == 1
+    assert 2.0**-126 < back[3, 0] <= 2.0**-123 and back[3, 1] == 2.0**126  # shift 23: a binade a step
+    assert back[4, 1] == 2.0**127 and bool(torch.isfinite(decode(AL8, *encode(AL8, x, random_words(x.shape)))).all())
+
+
+def test_legacy_al8_checkpoints_decode_by_their_formula():
+    """forge_hf 0.1.0 wrote al8 as a uniform log2 grid with (lo, width) a block: such
+    metadata (two values a block) is read by that formula."""
+    meta = torch.tensor([[[-3.0, 2.0]]])  # values 2**-3 .. 2**-1
+    codes = torch.tensor([[0, 1, 128, 255]], dtype=torch.uint8)
+    assert saved_codec("al8", meta) is LEGACY_AL8_CODEC and saved_codec("al8", meta[..., :1]) is AL8
+    expected = torch.tensor([[0.0, 2.0**-3, 2.0**(-3 + 127 * 2 / 254), 2.0**-1]])
+    torch.testing.assert_close(decode(LEGACY_AL8_CODEC, codes, meta), expected)
+    with pytest.raises(ValueError, match="read on load only"):
+        encode(LEGACY_AL8_CODEC, expected)
 
 
 @settings(max_examples=150, deadline=None)
@@ -123,16 +166,17 @@ def _ema_drift(codec_name, beta, signed, steps=1000, shape=(16, 256)):
         g = torch.randn(shape, generator=gen) * sigma
         inc = g if signed else g * g
         exact = beta * exact + (1 - beta) * inc
-        u = torch.rand(shape, generator=gen) if codec.stochastic else 0.5
-        stored = encode(codec, beta * decode(codec, *stored) + (1 - beta) * inc, u)
+        words = torch.randint(0, 2**32, shape, generator=gen) if codec.stochastic else None
+        stored = encode(codec, beta * decode(codec, *stored) + (1 - beta) * inc, words)
     value, meta = decode(codec, *stored), stored[1]
-    if codec is AL8:
-        step = exact * (torch.exp2(per_element(meta[..., 1], shape[1]) / 254) - 1)
+    if codec is AL8:  # 2**shift units in the last place of the exact value
+        step = torch.exp2(per_element(al8_shift(meta), shape[1]).float() + torch.floor(torch.log2(exact)) - 23)
     else:
         step = per_element(meta[..., 0], shape[1])
     drift = (value - exact) / step
+    relative = (value - exact) / exact
     return dict(rms_steps=drift.pow(2).mean().sqrt().item(), rel_l2=((value - exact).norm() / exact.norm()).item(),
-                bias=((value - exact).sum() / exact.abs().sum()).item())
+                bias=((value - exact).sum() / exact.abs().sum()).item(), rel_rms=relative.pow(2).mean().sqrt().item())
 
 
 @pytest.mark.parametrize("precision,codecs", [("int8", ("absmax8", "absmax8_floored")), ("al8", ("absmax8", "al8"))])
@@ -146,10 +190,15 @@ def test_ema_stays_within_a_quantisation_step(precision, codecs):
     assert v["rms_steps"] <= 1 / math.sqrt(12 * (1 - 0.999**2))
     if precision == "al8":
         assert abs(v["bias"]) < 0.005  # stochastic codes: no ratchet
-        assert v["rel_l2"] < 0.05
+        assert v["rel_rms"] < 0.2
 
 
 def test_ema_al8_second_moment_beats_int8():
+    """Each element's error relative to its own value: the update divides each element by its
+    own sqrt(v), so all count alike. (A norm over the tensor weights each block's largest
+    values, which absmax8 stores exactly and al8's aligned grid does not: rel_l2 0.05 against
+    al8's 0.14 here, while per element int8's small values are off by orders of magnitude.)"""
     al8 = _ema_drift("al8", 0.999, signed=False)
     int8 = _ema_drift("absmax8_floored", 0.999, signed=False)
-    assert al8["rel_l2"] < int8["rel_l2"] and abs(al8["bias"]) < abs(int8["bias"])
+    print(f"al8 {al8}\nint8 {int8}")
+    assert al8["rel_rms"] < 0.01 * int8["rel_rms"] and abs(al8["bias"]) < abs(int8["bias"])

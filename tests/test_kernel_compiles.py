@@ -78,13 +78,14 @@ def compile_all() -> dict:
     return results
 
 
+PERSISTENT_VARIANTS = [("bf16", True), ("bf16", False), ("int8", True), ("al8", True), ("al8", False)]
 PERSISTENT_RULES = {"adagrad": {}, "adamw": {}, "lion": {}, "nadam": {}, "radam": {},
                     "rmsprop": dict(momentum=0.9, centered=True), "sgd": {}, "sgd-momentum": dict(momentum=0.9)}
 
 
 def compile_persistent() -> dict:
     """Run in the child: the persistent Gluon kernel as launch_persistent would launch it,
-    bf16 and int8 state, each rule (its own slots), stochastic and nearest rounding."""
+    bf16, int8 and al8 state, each rule (its own slots), stochastic and nearest rounding."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -100,7 +101,7 @@ def compile_persistent() -> dict:
     names = persistent_update_kernel.arg_names
     results = {}
     for key, hp in PERSISTENT_RULES.items():
-        for precision, stochastic in [("bf16", True), ("bf16", False), ("int8", True)]:
+        for precision, stochastic in PERSISTENT_VARIANTS:
             try:
                 rule = get_rule(key.split("-")[0])
                 group = make_group(rule, hp)
@@ -153,7 +154,7 @@ def test_kernel_compiles_for_sm90(compiled, rule_name, variant):
     assert compiled[f"{rule_name}/{variant}"] == "ok", compiled[f"{rule_name}/{variant}"]
 
 
-@pytest.mark.parametrize("variant", ["bf16/True", "bf16/False", "int8/True"])
+@pytest.mark.parametrize("variant", [f"{precision}/{stochastic}" for precision, stochastic in PERSISTENT_VARIANTS])
 @pytest.mark.parametrize("rule_key", sorted(PERSISTENT_RULES))
 def test_persistent_kernel_compiles_for_sm90(compiled_persistent, rule_key, variant):
     assert compiled_persistent[f"{rule_key}/{variant}"] == "ok", compiled_persistent[f"{rule_key}/{variant}"]

@@ -49,9 +49,9 @@ def test_layout_checks_name_what_stands_in_the_way():
     row_major_meta = [replace(int8_slots[0], meta=int8_slots[0].meta.contiguous())] + int8_slots[1:]
     assert "8-bit metadata" in layout_unsupported(x, dy, w, row_major_meta)
     _, _, _, al8_state, _, _ = _tensors(precision="al8")
-    assert "neither bf16, int8 nor absent" in layout_unsupported(x, dy, w, al8_state.kernel_slots())
+    assert layout_unsupported(x, dy, w, al8_state.kernel_slots()) is None
     _, _, _, fp32_state, _, _ = _tensors(precision="fp32")
-    assert "neither bf16, int8 nor absent" in layout_unsupported(x, dy, w, fp32_state.kernel_slots())
+    assert "neither bf16, int8, al8 nor absent" in layout_unsupported(x, dy, w, fp32_state.kernel_slots())
 
 
 def test_cpu_tensors_and_the_environment_switch_keep_the_triton_kernel(monkeypatch):
@@ -104,7 +104,7 @@ def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("rule_name,hp", RULES)
 @pytest.mark.parametrize("n,k,t", [(128, 192, 100), (320, 256, 515), (64, 64, 1)])
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "al8"])
 def test_same_bits_as_the_triton_kernel(rule_name, hp, n, k, t, stochastic, precision):
     results = {}
     for kernel in ("persistent", "triton"):
@@ -122,7 +122,7 @@ def test_same_bits_as_the_triton_kernel(rule_name, hp, n, k, t, stochastic, prec
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "al8"])
 def test_a_block_with_a_non_finite_gradient_is_skipped_and_counted(precision):
     x, dy, w, state, rule, group = _tensors(192, 128, 70, precision, "cuda")
     dy[5, 70] = float("nan")  # rows 64-127: the second band of blocks, both columns

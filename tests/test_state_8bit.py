@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from forge_hf import ForgeLinear
+from forge_hf.core import codecs
 from forge_hf.core.codecs import BLOCK, QuantisedSlot
 from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
@@ -49,13 +50,17 @@ def _trained(precision, backend, rule="adamw", steps=3, conv1d=False, shape=(70,
 
 
 def _assert_slots_agree(a, b, what):
-    """Codes within one level and nearly all identical (log2/exp2 and summation order may
-    differ by an ulp between backends), metadata to fp32 round-off."""
+    """Codes within one level and nearly all identical (a rule's value may differ by an ulp
+    between backends, which can move a code across a rounding boundary); absmax8 scales to
+    fp32 round-off, al8 metadata words (base | shift) nearly all identical."""
     assert a.codec == b.codec and a.codes.shape == b.codes.shape
     diff = (a.codes.int() - b.codes.int()).abs()
     assert int(diff.max()) <= 1, what
     assert (diff == 0).float().mean() >= 0.999, what
-    torch.testing.assert_close(a.meta, b.meta, rtol=1e-5, atol=1e-30, msg=what)
+    if a.codec.kind == codecs.AL8:
+        assert (a.meta == b.meta).float().mean() >= 0.99, what
+    else:
+        torch.testing.assert_close(a.meta, b.meta, rtol=1e-5, atol=1e-30, msg=what)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -96,7 +101,7 @@ def test_conv1d_states_are_blocked_along_in_features():
     tri = _trained("al8", "triton", conv1d=True, shape=(70, 130))
     m, v = ref.forge_state.slots[:2]
     assert ref.weight.shape == (130, 70) and m.codes.shape == (130, 70)
-    assert m.meta.shape == (70, 3, 1) and v.meta.shape == (70, 3, 2)  # (out, ceil(in / 64), width)
+    assert m.meta.shape == v.meta.shape == (70, 3, 1)  # (out, ceil(in / 64), width)
     for a, b in zip(ref.forge_state.slots[:2], tri.forge_state.slots[:2]):
         _assert_slots_agree(a, b, "conv1d")
     # the same layer as a Linear holds the same logical state: codes transposed, same metadata
@@ -235,6 +240,30 @@ def test_loading_another_precision_converts_with_a_warning(source, target):
         assert expected.device == vb.device and torch.equal(vb, expected), f"{name}: {source} -> {target}"
 
 
+def test_al8_checkpoint_of_forge_hf_0_1_0_is_read_by_its_codec_and_stored_again():
+    """0.1.0 stored al8 second moments on a uniform log2 grid, (lo, width) a block: its codes
+    are decoded by that formula and stored in this version's al8, with a warning; exp_avg
+    (absmax8 then as now) keeps its codes."""
+    a = _trained("al8", "reference", steps=2)
+    sd = a.forge_state.state_dict()
+    v = a.forge_state.slots[1].read()  # values to write in the old format
+    lo = torch.log2(v.clamp_min(2.0**-126)).view(70, -1)
+    lo_block = torch.stack([lo[:, :64].amin(1), lo[:, 64:128].amin(1), lo[:, 128:].amin(1)], 1)
+    hi_block = torch.stack([lo[:, :64].amax(1), lo[:, 64:128].amax(1), lo[:, 128:].amax(1)], 1)
+    width = (hi_block - lo_block).clamp_min(0.0625)
+    level = torch.round((lo - lo_block.repeat_interleave(BLOCK, 1)[:, :130])
+                        / (width.repeat_interleave(BLOCK, 1)[:, :130] / 254))
+    sd["exp_avg_sq"] = torch.where(v > 0, level + 1, 0).to(torch.uint8)
+    sd["exp_avg_sq_meta"] = torch.stack([lo_block, width], -1)
+    old_values = codecs.decode(codecs.LEGACY_AL8_CODEC, sd["exp_avg_sq"], sd["exp_avg_sq_meta"])
+    assert torch.equal(old_values == 0, v == 0)
+    b = _trained("al8", "reference", steps=0)
+    with pytest.warns(UserWarning, match=r"al8 state of forge_hf 0.1.0 \(exp_avg_sq\) is stored again"):
+        b.forge_state.load_state_dict(_reloaded(sd), b.weight)
+    assert torch.equal(b.forge_state.slots[0].codes, a.forge_state.slots[0].codes)
+    assert torch.equal(b.forge_state.slots[1].read(), round_trip(old_values, "al8", False))
+
+
 def test_a_codec_both_precisions_share_keeps_its_codes_on_conversion():
     """int8 -> al8: exp_avg is absmax8 in both, so its codes and scales load unchanged,
     even scales that a dequantise-and-store would move by an ulp."""
@@ -253,10 +282,10 @@ def test_a_codec_both_precisions_share_keeps_its_codes_on_conversion():
 
 
 @pytest.mark.parametrize("precision,per_param", [("fp32", 8.0), ("bf16", 4.0), ("int8", 2 + 8 / BLOCK),
-                                                 ("al8", 2 + 12 / BLOCK)])
+                                                 ("al8", 2 + 8 / BLOCK)])
 def test_state_memory_is_two_bytes_per_parameter_plus_block_metadata(precision, per_param):
-    """AdamW: two 1-byte codes per parameter; int8 adds a 4-byte scale per 64-element
-    block for each moment, al8 a scale for exp_avg and (lo, width) for exp_avg_sq."""
+    """AdamW: two 1-byte codes per parameter and a 4-byte word per 64-element block for each
+    moment (int8's scales; al8's scale for exp_avg and base | shift for exp_avg_sq)."""
     layer = _trained(precision, "reference", steps=1, shape=(96, 256))
     state = layer.forge_state
     tensors = [t for s in state.slots if s is not None

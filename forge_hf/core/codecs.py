@@ -12,18 +12,38 @@ meta_width) in logical coordinates, whatever the parameter's storage orientation
 * ``absmax8_floored``: absmax8 for a state that is never negative (int8 second moments): a
   positive value keeps at least code 1, so 1/sqrt(v) never meets a zero that was not
   there (Appendix B). Such values err by up to one step instead of half.
-* ``al8``: the seed's adaptive log code (§4) for never-negative states: per block, the log2
-  interval [lo, lo + width] of its positive values; code 0 is exact zero, codes 1..255 are
-  uniform in log2 over the interval, so the relative error is the same at every magnitude.
+* ``al8``: an adaptive log code (the quantisation seed's §4) for never-negative states, on
+  the float's own bit pattern: a positive float's bits, read as an integer, are a
+  piecewise-linear log2 of it (exact at powers of two, linear in between). Per block, codes
+  1..255 are the grid base + (code - 1) * 2**shift over the bits of its positive values, from
+  the smallest, with the smallest shift (5..23) that spans the largest; code 0 is exact zero.
+  A grid step is 2**(shift - 23) of the value or less (from 2**(shift - 24) at the top of a
+  binade), the same at every magnitude to a factor of two. Since 2**shift divides 2**23,
+  every binade starts on a grid point: between two codes the value is linear in the bits, so
+  adding random bits below the shift rounds unbiasedly in value. Encoding and decoding are
+  integer operations (no log2 or exp2: the kernels' time follows their instructions), and
+  the metadata is one word a block, base | shift, kept in the fp32 metadata tensor as bits.
+  The grid starts at 2**-126 or above and spans at most 252 binades: a positive value below
+  it (subnormal, or that far below its block's largest) is stored as the grid's first value,
+  never as zero. A value of 2**127 or more may round up to infinity.
+  Against the seed's uniform log2 grid (forge_hf 0.1.0's al8) the steps are up to about
+  twice as coarse (a power of two, and linear within a binade): on synthetic AdamW second
+  moments the update error of storing them grows 1.5-1.8x, still a small fraction of
+  absmax8's (tests/test_quantization.py).
 
 absmax codes round to nearest: Appendix B's argument needs it, and on a 1000-step EMA
 stochastic codes drifted more (momentum 1.15 vs 0.78 steps RMS). al8 codes round
 stochastically, unbiased in value, when the layer's rounding is "stochastic": with
 beta2 = 0.999 a step of v is far below half a code, so round-to-nearest only ever moves v
 up on gradient spikes: v ratcheted 7% high in that test (0.1% with stochastic codes).
+Rounding takes the element's 32-bit hash (``HALF_WORD`` for round-to-nearest).
+
+forge_hf 0.1.0 wrote al8 states as a uniform log2 grid with two metadata values a block
+(``LEGACY_AL8``): such checkpoints are decoded by that formula and stored again on load.
 
 The arithmetic (``*_encode``/``*_decode``) uses only the free name ``ops``, bound to
-``triton.language`` by kernels/state_tiles.py and to torch here, like the rules' updates.
+``triton.language`` (with bit casts) by kernels/state_tiles.py and to torch here, like the
+rules' updates.
 """
 
 from __future__ import annotations
@@ -37,10 +57,11 @@ from .rules import bind_ops
 
 BLOCK = 64
 ROUNDER = 12582912.0  # 1.5 * 2**23 (absmax_encode)
-MIN_LOG_WIDTH = 0.0625  # al8: a block of (nearly) equal values still gets a resolvable grid
+HALF_WORD = 0x80000000  # al8: random bits that round to nearest (ties up)
+MIN_SHIFT, MAX_SHIFT = 5, 23  # al8: 2**5 keeps the shift in the metadata word's low bits
 
-# Storage kinds, as the kernel's per-slot compile-time selector.
-NONE, FP32, BF16, ABSMAX8, ABSMAX8_FLOORED, AL8 = range(6)
+# Storage kinds, as the kernel's per-slot compile-time selector (LEGACY_AL8: read on load only).
+NONE, FP32, BF16, ABSMAX8, ABSMAX8_FLOORED, AL8, LEGACY_AL8 = range(7)
 
 
 # ------------------------------------------------------------ shared arithmetic
@@ -72,28 +93,39 @@ def absmax_decode(codes, scale):
     return codes * ops.expand_dims(scale, -1)
 
 
-def log_encode(x, valid, u):
-    """Codes in [0, 255] (as floats), the block's log2 lower end and width. ``u`` is 0.5 to
-    round to the nearer grid value, or uniform in [0, 1) to round up with probability equal
-    to the position between the two (unbiased)."""
-    positive = valid & (x > 0.0)
-    lx = ops.log2(ops.maximum(x, 1.1754943508222875e-38))  # 2**-126: no subnormal logs
-    lo = ops.min(ops.where(positive, lx, 1e30), axis=-1)
-    hi = ops.minimum(ops.max(ops.where(positive, lx, -1e30), axis=-1), 126.0)  # 2**hi stays finite
-    lo = ops.where(hi >= lo, lo, 0.0)  # a block with no positive value
-    width = ops.maximum(hi - lo, 0.0625)  # MIN_LOG_WIDTH (a bound function sees only ops)
-    step = ops.expand_dims(ops.div_rn(width, 254.0), -1)
-    lo_x = ops.expand_dims(lo, -1)
-    level = ops.minimum(ops.maximum(ops.floor(ops.div_rn(lx - lo_x, step)), 0.0), 253.0)
-    below = ops.exp2(lo_x + level * step)
-    above = ops.exp2(lo_x + (level + 1.0) * step)
-    level = level + ops.where(x - below > u * (above - below), 1.0, 0.0)
-    return ops.where(positive, level + 1.0, 0.0), lo, width
+def log_encode(x, valid, word):
+    """al8: the codes (0 for zero or less, 1..255 on the block's grid) as int32, and each
+    block's metadata word (base | shift) as int32. ``word``: an element's 32 random bits
+    (the element hash: its high half is this slot's, hash slot 1; the low half only refines
+    the last 2**-16 of a step) to round up with probability equal to the position between
+    two grid values (unbiased), or HALF_WORD to round to the nearer."""
+    b = ops.bits(ops.where(valid, x, 0.0))  # <= 0 for zero, negative values (-0.0 too) and padding
+    hi = ops.max(b, axis=-1)
+    # the grid's floor: the least positive bits, at least the smallest normal float's (2**23: the
+    # base is then positive whatever the shift) and within 252 binades of the largest; a
+    # positive value below it (subnormal, or far below the block's others) takes code 1
+    lo = ops.maximum(ops.maximum(ops.where(hi > 0, ops.min_positive(b, -1), 0), 8388608), hi - 2113929216)
+    # the smallest shift with span <= 252 * 2**shift, from the span's float exponent
+    # (252 = 1.96875 * 2**7; adding 0x3FFFF carries into the exponent above mantissa 1.96875):
+    # then (hi - base) >> shift <= 253, and rounding up reaches code 255 at most
+    span = ops.to_float(ops.maximum(hi - lo, 0))
+    shift = ops.minimum(ops.maximum(((ops.bits(span) + 0x3FFFF) >> 23) - 134, 5), 23)  # MIN_SHIFT, MAX_SHIFT
+    base = (lo >> shift) << shift
+    up = ops.high_bits(word, ops.expand_dims(shift, -1))  # uniform in [0, 2**shift)
+    # code 1 is the grid's base: b - (base - 2**shift), rounded down after adding ``up``; it is
+    # <= 0 where b <= 0, since base >= 2**shift. At least 1 where b > 0, else 0.
+    codes = (b - ops.expand_dims(base - (1 << shift), -1) + up) >> ops.expand_dims(shift, -1)
+    return ops.maximum(ops.maximum(codes, ops.minimum(b, 1)), 0), base | shift
 
 
-def log_decode(codes, lo, width):
-    step = ops.expand_dims(ops.div_rn(width, 254.0), -1)
-    return ops.where(codes > 0.0, ops.exp2(ops.expand_dims(lo, -1) + (codes - 1.0) * step), 0.0)
+def log_decode(codes, meta):
+    """al8: the values of int32 codes with their blocks' int32 metadata words."""
+    shift = meta & 31
+    # 2**shift through a float: a multiplier the compiler does not turn back into a shift,
+    # so an element's code becomes its bits in one multiply-add
+    step = ops.to_int(ops.from_bits((shift + 127) << 23))
+    value = ops.from_bits(codes * ops.expand_dims(step, -1) + ops.expand_dims(meta - shift - step, -1))
+    return ops.where(codes != 0, value, 0.0)
 
 
 # ------------------------------------------------------------ codec table
@@ -111,13 +143,23 @@ class Codec:
 CODECS = {c.name: c for c in (
     Codec("absmax8", ABSMAX8, torch.int8, 1, False),
     Codec("absmax8_floored", ABSMAX8_FLOORED, torch.int8, 1, False),
-    Codec("al8", AL8, torch.uint8, 2, True),
+    Codec("al8", AL8, torch.uint8, 1, True),
 )}
+# forge_hf 0.1.0's al8 (a uniform log2 grid, metadata lo and width), as its checkpoints name it
+LEGACY_AL8_CODEC = Codec("al8", LEGACY_AL8, torch.uint8, 2, True)
 # state precision -> (codec of signed slots, codec of never-negative slots)
 PRECISION_CODECS = {
     "int8": (CODECS["absmax8"], CODECS["absmax8_floored"]),
     "al8": (CODECS["absmax8"], CODECS["al8"]),
 }
+
+
+def saved_codec(name: str, meta: torch.Tensor) -> Codec:
+    """The codec a checkpoint's slot was written with, from its name and metadata width."""
+    codec = CODECS[name]
+    if codec.kind == AL8 and meta.shape[-1] == LEGACY_AL8_CODEC.meta_width:
+        return LEGACY_AL8_CODEC
+    return codec
 
 
 def slot_codec(precision: str, signed: bool) -> Codec | None:
@@ -166,11 +208,22 @@ TORCH_OPS = types.SimpleNamespace(
     min=lambda x, axis: torch.amin(x, dim=axis),
     maximum=lambda a, b: torch.maximum(a, torch.as_tensor(b, dtype=a.dtype, device=a.device)),
     minimum=lambda a, b: torch.minimum(a, torch.as_tensor(b, dtype=a.dtype, device=a.device)),
-    where=torch.where, abs=torch.abs, floor=torch.floor, log2=torch.log2, exp2=torch.exp2,
-    div_rn=_div_rn, expand_dims=torch.unsqueeze,
+    where=torch.where, abs=torch.abs, div_rn=_div_rn, expand_dims=torch.unsqueeze,
+    bits=lambda x: x.view(torch.int32), from_bits=lambda i: i.view(torch.float32),
+    min_positive=lambda b, axis: torch.amin(torch.where(b > 0, b, 0x7FFFFFFF), dim=axis),
+    high_bits=lambda word, n: ((torch.as_tensor(word, dtype=torch.int64, device=n.device) & 0xFFFFFFFF)
+                               >> (32 - n.long())).to(torch.int32),
+    to_int=lambda f: f.to(torch.int32),
+    to_float=lambda i: i.to(torch.float32),
 )
 _absmax_encode, _floor_positive, _absmax_decode, _log_encode, _log_decode = (
     bind_ops(f, TORCH_OPS) for f in (absmax_encode, floor_positive, absmax_decode, log_encode, log_decode))
+
+
+def _legacy_log_decode(codes, lo, width):
+    """forge_hf 0.1.0's al8: code c > 0 is 2**(lo + (c - 1) * width / 254)."""
+    step = torch.div(width, torch.full_like(width, 254.0)).unsqueeze(-1)
+    return torch.where(codes > 0, torch.exp2(lo.unsqueeze(-1) + (codes - 1.0) * step), 0.0)
 
 
 def _blocked(x: torch.Tensor, fill=0.0) -> torch.Tensor:
@@ -182,39 +235,38 @@ def _blocked(x: torch.Tensor, fill=0.0) -> torch.Tensor:
     return x.reshape(rows, -1, BLOCK)
 
 
-def uniform(bits: torch.Tensor) -> torch.Tensor:
-    """Uniform [0, 1) from 16 random bits held in int64 (kernels/state_tiles.py: uniform); 2**-16
-    steps are far finer than any 8-bit code's rounding needs."""
-    return bits.float() * 2.0**-16
-
-
-def encode(codec: Codec, x: torch.Tensor, u: torch.Tensor | float = 0.5):
+def encode(codec: Codec, x: torch.Tensor, bits: torch.Tensor | None = None):
     """Quantise a (rows, cols) block-aligned piece: codes (rows, cols) and metadata
-    (rows, blocks, meta_width)."""
+    (rows, blocks, meta_width). ``bits``: each element's 32-bit hash (integers) for a
+    stochastic codec's rounding; None rounds to nearest."""
     rows, cols = x.shape
     x3 = _blocked(x.float())
     valid = _blocked(torch.ones_like(x, dtype=torch.bool), fill=False)
     if codec.kind == AL8:
-        u3 = _blocked(u) if isinstance(u, torch.Tensor) else u
-        codes, lo, width = _log_encode(x3, valid, u3)
-        meta = torch.stack([lo, width], dim=-1)
-    else:
+        b3 = HALF_WORD if bits is None else _blocked(bits)
+        codes, meta_bits = _log_encode(x3, valid, b3)
+        meta = meta_bits.view(torch.float32)[..., None]  # the word's bits, kept in fp32 storage
+    elif codec.kind in (ABSMAX8, ABSMAX8_FLOORED):
         biased, scale = _absmax_encode(x3, valid)
         if codec.kind == ABSMAX8_FLOORED:
             biased = _floor_positive(biased, x3)
         codes = biased - ROUNDER
         meta = scale[..., None]
+    else:
+        raise ValueError(f"codec {codec.name!r} (kind {codec.kind}) is read on load only: it stores nothing")
     return codes.flatten(1)[:, :cols].to(codec.code_dtype), meta
 
 
 def decode(codec: Codec, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """fp32 values of (rows, cols) codes with their (rows, blocks, meta_width) metadata."""
     rows, cols = codes.shape
-    c3 = _blocked(codes.float())
     if codec.kind == AL8:
-        x3 = _log_decode(c3, meta[..., 0], meta[..., 1])
+        c3 = _blocked(codes.to(torch.int32))
+        x3 = _log_decode(c3, meta[..., 0].contiguous().view(torch.int32))
+    elif codec.kind == LEGACY_AL8:
+        x3 = _legacy_log_decode(_blocked(codes.float()), meta[..., 0], meta[..., 1])
     else:
-        x3 = _absmax_decode(c3, meta[..., 0])
+        x3 = _absmax_decode(_blocked(codes.float()), meta[..., 0])
     return x3.flatten(1)[:, :cols]
 
 
@@ -245,8 +297,9 @@ class QuantisedSlot:
         """fp32 values of a logical slot; ``cols`` must cover whole blocks."""
         return decode(self.codec, self.codes[rows, cols], self.meta[rows, _block_cols(cols, self.codes.shape[1])])
 
-    def write(self, value: torch.Tensor, rows=slice(None), cols=slice(None), u=0.5) -> None:
-        codes, meta = encode(self.codec, value, u)
+    def write(self, value: torch.Tensor, rows=slice(None), cols=slice(None), bits=None) -> None:
+        """Store ``value``; ``bits`` as encode's."""
+        codes, meta = encode(self.codec, value, bits)
         self.codes[rows, cols] = codes
         self.meta[rows, _block_cols(cols, self.codes.shape[1])] = meta
 

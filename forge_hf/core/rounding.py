@@ -74,9 +74,15 @@ def _mul32(h, c: int):
 TORCH_HASH = bind_hash(types.SimpleNamespace(mul32=_mul32))
 
 
+def hash_word(elem, salt: int, step: int):
+    """The 32 random bits of each element (int64 tensor of indices in the whole weight): al8
+    codes round with all of them (core/codecs.py), other tensors with a slot's 16."""
+    return TORCH_HASH.element_hash(elem, salt & M32, step & M32)
+
+
 def random_bits(elem, salt: int, step: int, slot: int):
     """16 random bits per element (int64 tensor of indices in the whole weight)."""
-    return TORCH_HASH.slot_bits(TORCH_HASH.element_hash(elem, salt & M32, step & M32), slot)
+    return TORCH_HASH.slot_bits(hash_word(elem, salt, step), slot)
 
 
 def layer_salt(seed: int, layer_index: int) -> int:

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from .codecs import CODECS, QuantisedSlot, slot_codec
+from .codecs import LEGACY_AL8, QuantisedSlot, saved_codec, slot_codec
 from .rules import Rule
 
 STATE_PRECISIONS = ("fp32", "bf16", "int8", "al8")
@@ -54,6 +54,11 @@ class ForgeState:
     def __init__(self, rule: Rule, precision: str, transposed: bool | None = None):
         self.rule = rule
         self.precision = check_state_precision(precision)
+        if precision == "al8" and rule.slot_signed.count(False) > 1:
+            # al8 codes round with the element hash's high half (core/codecs.py), which two
+            # al8 slots of one layer would share
+            raise ValueError(f"state_precision='al8' takes at most one never-negative state a layer, and rule "
+                             f"{rule.name!r} has {rule.slot_signed.count(False)}: use state_precision='int8'")
         self.transposed = transposed
         self.reset()
 
@@ -143,7 +148,11 @@ class ForgeState:
         saved = sd[name].to(param.device)
         codec = sd.get(f"{name}_codec")
         if codec is not None:
-            saved = QuantisedSlot(CODECS[codec], saved, sd[f"{name}_meta"].to(param.device))
+            meta = sd[f"{name}_meta"].to(param.device)
+            saved = QuantisedSlot(saved_codec(codec, meta), saved, meta)
+            if saved.codec.kind == LEGACY_AL8:
+                warnings.warn(f"the al8 state of forge_hf 0.1.0 ({name}) is stored again in this version's al8 "
+                              f"codes (a grid on the float's bits): its values move by up to a step", stacklevel=4)
             if isinstance(slot, QuantisedSlot) and slot.codec == saved.codec \
                     and slot.meta.shape == saved.meta.shape:
                 slot.codes.copy_(saved.codes)  # same codec: the very codes, no re-rounding

@@ -1,6 +1,6 @@
 """When and how the persistent Gluon kernel (persistent_update.py) runs a layer's step.
 
-It runs where it applies (bf16 weights; bf16 or int8 states): on Llama-3.1-8B's linears at
+It runs where it applies (bf16 weights; bf16, int8 or al8 states): on Llama-3.1-8B's linears at
 512 tokens it takes about 12% less time than fused_update.py's kernel, with the same bits
 (docs/performance.md). ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on
 fused_update.py's.
@@ -23,7 +23,7 @@ from .persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_desc
 NUM_BUF = 5  # ring slots a lane: 4 -> 5 was 49.3 -> 48.1 ms; 6 does not fit shared memory
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 12 warps: 8 consumers, 2 producers (a warpgroup)
 _TOKEN_PLACES = 16  # token descriptors a layer keeps encoded (a few places a step; eval and train differ)
-KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED)  # al8 and fp32 states: not here
+KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)  # fp32 states: not here
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -70,7 +70,7 @@ def weight_unsupported(weight, slots) -> str | None:
         return "weight is not row-major and 16-byte aligned"
     for slot in slots:
         if storage_kind(slot) not in KINDS:
-            return "a state slot is neither bf16, int8 nor absent"
+            return "a state slot is neither bf16, int8, al8 nor absent"
         codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
         if codes is not None and (codes.stride() != weight.stride() or not _aligned(codes)):
             return "a state slot is not laid out as the weight"
@@ -86,9 +86,11 @@ def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, 
     Arguments as fused_update.fused_launch_arguments', ``rule_update`` the rule's jitted update;
     ``ablate``: benchmarks only (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY)."""
     n, k = weight.shape
-    stored = [weight.view(torch.int16)]  # bf16 as bits; 8-bit codes as they are; absent: any
-    stored += [stored[0] if s is None else s.codes if isinstance(s, QuantisedSlot) else s.view(torch.int16)
-               for s in slots]
+    # bf16 as bits; 8-bit codes as int8 (al8's uint8 ones too: the slots share one ring of one
+    # dtype, and the kernel only moves their bits); absent: any
+    stored = [weight.view(torch.int16)]
+    stored += [stored[0] if s is None else s.codes.view(torch.int8) if isinstance(s, QuantisedSlot)
+               else s.view(torch.int16) for s in slots]
     descs = [tensor_descriptor(x), tensor_descriptor(dy)] + [tensor_descriptor(t) for t in stored]
     metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
     kinds = [storage_kind(s) for s in slots]

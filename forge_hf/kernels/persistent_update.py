@@ -15,9 +15,9 @@ overlap a program that owns one block from start to end cannot get (docs/perform
 has the measurements behind each choice). A block whose squared gradient
 sum is not finite is not written; it is counted, others add their sum to ``stats``.
 
-Covers the common case (persistent_launch.py says which): a bf16 weight with bf16, int8
-(absmax, core/codecs.py) or absent states in its row-major layout, N and K multiples of 64 (an
-8-bit slot's codec blocks are then the blocks' rows), bf16 x and dy, a Hopper GPU.
+Covers the common case (persistent_launch.py says which): a bf16 weight with bf16, int8 or al8
+(core/codecs.py) or absent states in its row-major layout, N and K multiples of 64 (an 8-bit
+slot's codec blocks are then the blocks' rows), bf16 x and dy, a Hopper GPU.
 fused_update.py's kernel serves everything else.
 """
 # no `from __future__ import annotations`: the aggregate checks its field types at run time
@@ -36,7 +36,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .state_tiles import ABSMAX8, BF16, NONE, absmax_biased, absmax_decode, int8_code
+from .state_tiles import (
+    ABSMAX8,
+    AL8,
+    BF16,
+    HALF_WORD,
+    NONE,
+    absmax_biased,
+    absmax_decode,
+    int8_code,
+    log_decode,
+    log_encode,
+)
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
 from .tile_step import finite_sumsq, load_step_args
 
@@ -150,8 +161,9 @@ def producer(p, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr,
 
 @gluon.jit
 def _scales(meta_ptr, off_n, off_k, N, layout: gl.constexpr, KIND: gl.constexpr):
-    """An 8-bit slot's per-row scales of a block (its codec blocks are the block's rows;
-    metadata index (column // 64) * N + row, codecs.meta_strides); 0 for other slots."""
+    """An 8-bit slot's per-row metadata words of a block (an absmax8 scale or al8's
+    base | shift; its codec blocks are the block's rows; metadata index (column // 64) * N +
+    row, codecs.meta_strides); 0 for other slots."""
     if KIND >= ABSMAX8:
         rows = off_n + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
         scale = gl.load(meta_ptr + (off_k // BLOCK) * N + rows)
@@ -166,6 +178,8 @@ def _load_state(p, lane: gl.constexpr, slot: gl.constexpr, scale, layout: gl.con
     raw = p.s_bufs.index(s_index(lane, slot, S0, S1, S2)).load(layout)
     if KIND == BF16:
         value = bf16_bits_to_fp32(raw)
+    elif KIND == AL8:  # the uint8 code, carried as int8 in the ring
+        value = log_decode(raw.to(gl.uint8, bitcast=True).to(gl.int32), scale.to(gl.int32, bitcast=True))
     else:
         # one conversion (I2F.S8, the byte picked in the instruction) in place of
         # code_to_float's three: this kernel's time follows its instruction count
@@ -177,14 +191,23 @@ def _load_state(p, lane: gl.constexpr, slot: gl.constexpr, scale, layout: gl.con
 def _stage_state(p, lane: gl.constexpr, slot: gl.constexpr, value, h, meta_ptr, off_n, off_k, N,
                  STOCHASTIC: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
                  KIND: gl.constexpr):
-    """Write a state block into its buffer (an 8-bit one's scales straight to memory)."""
+    """Write a state block into its buffer (an 8-bit one's metadata straight to memory), as
+    state_tiles.store_state does: slot s takes the hash's slot s + 1."""
     buf = p.s_bufs.index(s_index(lane, slot, S0, S1, S2))
+    rows = off_n + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, value.type.layout))
     if KIND == BF16:
-        buf.store(fp32_to_bf16_bits(value, h, slot + 1, STOCHASTIC))  # slot s: hash slot s + 1
+        buf.store(fp32_to_bf16_bits(value, h, slot + 1, STOCHASTIC))
+    elif KIND == AL8:
+        if STOCHASTIC:
+            word = h  # hash slot 1, the high half, as state_tiles.store_state
+        else:
+            word = HALF_WORD
+        codes, meta = log_encode(value, True, word)  # every element lies inside the weight
+        buf.store(codes.to(gl.int8))  # the uint8 code's bits
+        gl.store(meta_ptr + (off_k // BLOCK) * N + rows, meta.to(gl.float32, bitcast=True))
     else:
         biased, scale = absmax_biased(value, True, KIND)
         buf.store(int8_code(biased))
-        rows = off_n + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, value.type.layout))
         gl.store(meta_ptr + (off_k // BLOCK) * N + rows, scale)
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.codecs import BLOCK, QuantisedSlot, uniform
-from ..core.rounding import M32, random_bits
+from ..core.codecs import BLOCK, QuantisedSlot
+from ..core.rounding import M32, hash_word, random_bits
 from ..core.rules import NUM_SCALARS, RULES, bind_update
 
 RULE_UPDATES = {name: bind_update(rule, torch) for name, rule in RULES.items()}
@@ -77,8 +77,7 @@ def reference_fused_update(
                     continue
                 if isinstance(dst, QuantisedSlot):
                     stochastic_codes = stochastic and dst.codec.stochastic
-                    u = uniform(random_bits(elem, salt, step, slot_id)) if stochastic_codes else 0.5
-                    dst.write(value, rows, cols, u)
+                    dst.write(value, rows, cols, hash_word(elem, salt, step) if stochastic_codes else None)
                     continue
                 if dst.dtype == torch.bfloat16:
                     value = round_to_bf16(value, elem, salt, step, slot_id, stochastic)
@@ -104,7 +103,7 @@ def reference_rule_rows(rule_name: str, w2: torch.Tensor, g: torch.Tensor, slots
             continue
         if isinstance(dst, QuantisedSlot):
             stochastic_codes = stochastic and dst.codec.stochastic
-            dst.write(value, rows, u=uniform(random_bits(elem, salt, step, slot_id)) if stochastic_codes else 0.5)
+            dst.write(value, rows, bits=hash_word(elem, salt, step) if stochastic_codes else None)
             continue
         if dst.dtype == torch.bfloat16:
             value = round_to_bf16(value, elem, salt, step, slot_id, stochastic)

@@ -7,13 +7,14 @@ by block index ``(column // 64) * out_features + row`` (codecs.meta_strides).
 """
 
 import struct
+import types
 
 import triton
 import triton.language as tl
 
 from ..core import codecs
 from ..core.rules import bind_ops
-from .storage import decode_value, load_tile, slot_bits, store_value
+from .storage import decode_value, load_tile, store_value
 
 NONE = tl.constexpr(codecs.NONE)
 FP32 = tl.constexpr(codecs.FP32)
@@ -23,17 +24,54 @@ ABSMAX8_FLOORED = tl.constexpr(codecs.ABSMAX8_FLOORED)
 AL8 = tl.constexpr(codecs.AL8)
 QBLOCK = tl.constexpr(codecs.BLOCK)
 
-absmax_encode, floor_positive, absmax_decode, log_encode, log_decode = (
-    triton.jit(bind_ops(f, tl)) for f in
-    (codecs.absmax_encode, codecs.floor_positive, codecs.absmax_decode, codecs.log_encode, codecs.log_decode))
-ROUNDER = tl.constexpr(codecs.ROUNDER)
-ROUNDER_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", codecs.ROUNDER))[0])  # 0x4B400000
 
 
 @triton.jit
-def uniform(bits):
-    """Uniform [0, 1) from 16 random bits (codecs.uniform)."""
-    return bits.to(tl.float32) * 1.52587890625e-05  # 2**-16
+def _bits(x):
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _from_bits(i):
+    return i.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_float(i):
+    return i.to(tl.float32)
+
+
+@triton.jit
+def _to_int(f):
+    return f.to(tl.int32)
+
+
+@triton.jit
+def _high_bits(word, n):
+    """The top ``n`` bits (1..32) of a 32-bit word, as int32 in [0, 2**n)."""
+    return (tl.cast(word, tl.uint32) >> (32 - n).to(tl.uint32)).to(tl.int32)
+
+
+@triton.jit
+def _min_positive(b, axis: tl.constexpr):
+    """The least positive value along ``axis`` (0 where none is): b - 1 as unsigned puts
+    zero and negative values above every positive one, with no select an element."""
+    return (tl.min((b - 1).to(tl.uint32, bitcast=True), axis=axis) + 1).to(tl.int32, bitcast=True)
+
+
+# the bit casts the codecs use, and triton.language for the rest, looked up at each use (the
+# interpreter patches triton.language's functions while it runs a kernel); a jit function may
+# read a module's attributes
+_ops = types.ModuleType("forge_hf.kernels.state_tiles.codec_ops")
+_ops.__getattr__ = lambda name: getattr(tl, name)
+_ops.bits, _ops.from_bits, _ops.to_float, _ops.to_int = _bits, _from_bits, _to_float, _to_int
+_ops.min_positive, _ops.high_bits = _min_positive, _high_bits
+absmax_encode, floor_positive, absmax_decode, log_encode, log_decode = (
+    triton.jit(bind_ops(f, _ops, tl=tl)) for f in
+    (codecs.absmax_encode, codecs.floor_positive, codecs.absmax_decode, codecs.log_encode, codecs.log_decode))
+HALF_WORD = tl.constexpr(codecs.HALF_WORD)
+ROUNDER = tl.constexpr(codecs.ROUNDER)
+ROUNDER_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", codecs.ROUNDER))[0])  # 0x4B400000
 
 
 @triton.jit
@@ -81,19 +119,14 @@ def load_state_raw(ptr, offs, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
 
 @triton.jit
 def load_meta(meta_ptr, block, block_mask, KIND: tl.constexpr):
-    """The tile's per-block metadata of an 8-bit slot, (scale, unused) or (lo, width);
-    zeros for other slots. Small: the kernel loads it before its token loop, whose time
-    hides the load's latency."""
-    if KIND == AL8:
-        first = tl.load(meta_ptr + 2 * block, mask=block_mask, other=0.0)
-        second = tl.load(meta_ptr + 2 * block + 1, mask=block_mask, other=0.0)
-    elif KIND >= ABSMAX8:
-        first = tl.load(meta_ptr + block, mask=block_mask, other=0.0)
-        second = first
+    """The tile's per-block metadata word of an 8-bit slot (an absmax8 scale, or al8's
+    base | shift bits, as stored in fp32); zeros for other slots. Small: the kernel loads it
+    before its token loop, whose time hides the load's latency."""
+    if KIND >= ABSMAX8:
+        meta = tl.load(meta_ptr + block, mask=block_mask, other=0.0)
     else:
-        first = 0.0
-        second = 0.0
-    return first, second
+        meta = 0.0
+    return meta
 
 
 @triton.jit
@@ -104,12 +137,12 @@ def decode_state(raw, meta, KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: 
         value = decode_value(raw, False)
     elif KIND == BF16:
         value = decode_value(raw, True)
+    elif KIND == AL8:
+        codes = tl.reshape(raw.to(tl.int32), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
+        value = tl.reshape(log_decode(codes, meta.to(tl.int32, bitcast=True)), (BLOCK_N, BLOCK_K))
     else:
         codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
-        if KIND == AL8:
-            value = tl.reshape(log_decode(codes, meta[0], meta[1]), (BLOCK_N, BLOCK_K))
-        else:
-            value = tl.reshape(absmax_decode(codes, meta[0]), (BLOCK_N, BLOCK_K))
+        value = tl.reshape(absmax_decode(codes, meta), (BLOCK_N, BLOCK_K))
     return value
 
 
@@ -127,14 +160,14 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
         x = tl.reshape(value, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         valid = tl.reshape(mask, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         if KIND == AL8:
+            # the element hash's high half (hash slot 1, free: an al8 layer's other states are
+            # absmax8, rounded to nearest), its low half below it (codecs.log_encode)
             if STOCHASTIC:
-                u = tl.reshape(uniform(slot_bits(h, slot)),
-                               (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
+                word = tl.reshape(h, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
             else:
-                u = 0.5
-            codes, lo, width = log_encode(x, valid, u)
-            tl.store(meta_ptr + 2 * block, lo, mask=block_keep)
-            tl.store(meta_ptr + 2 * block + 1, width, mask=block_keep)
+                word = HALF_WORD
+            codes, meta = log_encode(x, valid, word)
+            tl.store(meta_ptr + block, meta.to(tl.float32, bitcast=True), mask=block_keep)
             tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep)
         else:
             biased, scale = absmax_biased(x, valid, KIND)

@@ -46,8 +46,8 @@ def round_trip(x: torch.Tensor, precision: str, signed: bool, rounding: str = "n
     if codec is None:
         return x.to({"fp32": torch.float32, "bf16": torch.bfloat16}[precision]).float()
     stochastic = rounding == "stochastic" and codec.stochastic
-    u = torch.rand(x.shape, generator=generator, device=x.device) if stochastic else 0.5
-    return decode(codec, *encode(codec, x, u))
+    words = torch.randint(0, 2**32, x.shape, generator=generator, device=x.device) if stochastic else None
+    return decode(codec, *encode(codec, x, words))
 
 
 def synthetic_states(rule: str = "adamw", spread: str = "wide", shape=(256, 1024), seed: int = 0,
