@@ -15,17 +15,17 @@ meta_width) in logical coordinates, whatever the parameter's storage orientation
 * ``al8``: an adaptive log code (the quantisation seed's §4) for never-negative states, on
   the float's own bit pattern: a positive float's bits, read as an integer, are a
   piecewise-linear log2 of it (exact at powers of two, linear in between). Per block, codes
-  1..255 are the grid base + (code - 1) * 2**shift over the bits of its positive values, from
-  the smallest, with the smallest shift (5..23) that spans the largest; code 0 is exact zero.
-  A grid step is 2**(shift - 23) of the value or less (from 2**(shift - 24) at the top of a
-  binade), the same at every magnitude to a factor of two. Since 2**shift divides 2**23,
-  every binade starts on a grid point: between two codes the value is linear in the bits, so
-  adding random bits below the shift rounds unbiasedly in value. Encoding and decoding are
-  integer operations (no log2 or exp2: the kernels' time follows their instructions), and
-  the metadata is one word a block, base | shift, kept in the fp32 metadata tensor as bits.
-  The grid starts at 2**-126 or above and spans at most 252 binades: a positive value below
-  it (subnormal, or that far below its block's largest) is stored as the grid's first value,
-  never as zero. A value of 2**127 or more may round up to infinity.
+  0..254 are the grid base + code * 2**shift over the bits of its positive values, from the
+  smallest, with the smallest shift (5..24) whose 252 steps span the largest; code 255 is
+  exact zero. A grid step is 2**(shift - 23) of the value or less (from 2**(shift - 24) at
+  the top of a binade), the same at every magnitude to a factor of two. Up to shift 23
+  (blocks spanning up to 252 binades) 2**shift divides a binade's 2**23, so every binade
+  starts on a grid point: between two codes the value is linear in the bits, and adding
+  random bits below the shift rounds unbiasedly in value. Encoding and decoding are integer
+  operations (no log2 or exp2: the kernels' time follows their instructions), and the
+  metadata is one word a block, base | shift, kept in the fp32 metadata tensor as bits.
+  A positive value stays positive, except a subnormal one (below 2**-126) in a block whose
+  grid starts at zero; one of 2**127 or more may round up to infinity.
   Against the seed's uniform log2 grid (forge_hf 0.1.0's al8) the steps are up to about
   twice as coarse (a power of two, and linear within a binade): on synthetic AdamW second
   moments the update error of storing them grows 1.5-1.8x, still a small fraction of
@@ -58,7 +58,8 @@ from .rules import bind_ops
 BLOCK = 64
 ROUNDER = 12582912.0  # 1.5 * 2**23 (absmax_encode)
 HALF_WORD = 0x80000000  # al8: random bits that round to nearest (ties up)
-MIN_SHIFT, MAX_SHIFT = 5, 23  # al8: 2**5 keeps the shift in the metadata word's low bits
+AL8_ZERO = 255  # the al8 code of exact zero
+MIN_SHIFT, MAX_SHIFT = 5, 24  # al8: 2**5 keeps the shift in the metadata word's low bits
 
 # Storage kinds, as the kernel's per-slot compile-time selector (LEGACY_AL8: read on load only).
 NONE, FP32, BF16, ABSMAX8, ABSMAX8_FLOORED, AL8, LEGACY_AL8 = range(7)
@@ -94,28 +95,24 @@ def absmax_decode(codes, scale):
 
 
 def log_encode(x, valid, word):
-    """al8: the codes (0 for zero or less, 1..255 on the block's grid) as int32, and each
-    block's metadata word (base | shift) as int32. ``word``: an element's 32 random bits
-    (the element hash: its high half is this slot's, hash slot 1; the low half only refines
-    the last 2**-16 of a step) to round up with probability equal to the position between
-    two grid values (unbiased), or HALF_WORD to round to the nearer."""
-    b = ops.bits(ops.where(valid, x, 0.0))  # <= 0 for zero, negative values (-0.0 too) and padding
+    """al8: the codes (0..254 on the block's grid, 255 for zero) as int32, and each block's
+    metadata word (base | shift) as int32; ``x`` must not be negative. ``word``: an element's
+    32 random bits (the element hash: its high half is this slot's, hash slot 1; the low half
+    only refines the last 2**-16 of a step) to round up with probability equal to the
+    position between two grid values (unbiased), or HALF_WORD to round to the nearer."""
+    b = ops.bits(ops.where(valid, x, 0.0))  # 0 for zero and padding
     hi = ops.max(b, axis=-1)
-    # the grid's floor: the least positive bits, at least the smallest normal float's (2**23: the
-    # base is then positive whatever the shift) and within 252 binades of the largest; a
-    # positive value below it (subnormal, or far below the block's others) takes code 1
-    lo = ops.maximum(ops.maximum(ops.where(hi > 0, ops.min_positive(b, -1), 0), 8388608), hi - 2113929216)
+    lo = ops.where(hi > 0, ops.min_positive(b, -1), 0)  # 0: a block of zeros
     # the smallest shift with span <= 252 * 2**shift, from the span's float exponent
     # (252 = 1.96875 * 2**7; adding 0x3FFFF carries into the exponent above mantissa 1.96875):
-    # then (hi - base) >> shift <= 253, and rounding up reaches code 255 at most
-    span = ops.to_float(ops.maximum(hi - lo, 0))
-    shift = ops.minimum(ops.maximum(((ops.bits(span) + 0x3FFFF) >> 23) - 134, 5), 23)  # MIN_SHIFT, MAX_SHIFT
+    # then (hi - base) >> shift <= 253, and rounding up reaches code 254 at most
+    span = ops.to_float(hi - lo)
+    shift = ops.minimum(ops.maximum(((ops.bits(span) + 0x3FFFF) >> 23) - 134, 5), 24)  # MIN_SHIFT, MAX_SHIFT
     base = (lo >> shift) << shift
     up = ops.high_bits(word, ops.expand_dims(shift, -1))  # uniform in [0, 2**shift)
-    # code 1 is the grid's base: b - (base - 2**shift), rounded down after adding ``up``; it is
-    # <= 0 where b <= 0, since base >= 2**shift. At least 1 where b > 0, else 0.
-    codes = (b - ops.expand_dims(base - (1 << shift), -1) + up) >> ops.expand_dims(shift, -1)
-    return ops.maximum(ops.maximum(codes, ops.minimum(b, 1)), 0), base | shift
+    codes = (b - ops.expand_dims(base, -1) + up) >> ops.expand_dims(shift, -1)
+    # zero lies below a positive base: a negative code, which as unsigned exceeds 255
+    return ops.unsigned_min(codes, 255), base | shift  # AL8_ZERO
 
 
 def log_decode(codes, meta):
@@ -124,8 +121,8 @@ def log_decode(codes, meta):
     # 2**shift through a float: a multiplier the compiler does not turn back into a shift,
     # so an element's code becomes its bits in one multiply-add
     step = ops.to_int(ops.from_bits((shift + 127) << 23))
-    value = ops.from_bits(codes * ops.expand_dims(step, -1) + ops.expand_dims(meta - shift - step, -1))
-    return ops.where(codes != 0, value, 0.0)
+    value = ops.from_bits(codes * ops.expand_dims(step, -1) + ops.expand_dims(meta - shift, -1))
+    return ops.where(codes != 255, value, 0.0)  # AL8_ZERO
 
 
 # ------------------------------------------------------------ codec table
@@ -214,6 +211,7 @@ TORCH_OPS = types.SimpleNamespace(
     high_bits=lambda word, n: ((torch.as_tensor(word, dtype=torch.int64, device=n.device) & 0xFFFFFFFF)
                                >> (32 - n.long())).to(torch.int32),
     to_int=lambda f: f.to(torch.int32),
+    unsigned_min=lambda i, n: torch.where(i >= 0, torch.clamp_max(i, n), n),
     to_float=lambda i: i.to(torch.float32),
 )
 _absmax_encode, _floor_positive, _absmax_decode, _log_encode, _log_decode = (
@@ -243,6 +241,9 @@ def encode(codec: Codec, x: torch.Tensor, bits: torch.Tensor | None = None):
     x3 = _blocked(x.float())
     valid = _blocked(torch.ones_like(x, dtype=torch.bool), fill=False)
     if codec.kind == AL8:
+        # the kernels never give a never-negative state a negative value (nor -0.0); values
+        # from elsewhere (a checkpoint) are clamped, as the codec requires
+        x3 = torch.where(x3 > 0, x3, 0.0)
         b3 = HALF_WORD if bits is None else _blocked(bits)
         codes, meta_bits = _log_encode(x3, valid, b3)
         meta = meta_bits.view(torch.float32)[..., None]  # the word's bits, kept in fp32 storage
@@ -261,7 +262,7 @@ def decode(codec: Codec, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tenso
     """fp32 values of (rows, cols) codes with their (rows, blocks, meta_width) metadata."""
     rows, cols = codes.shape
     if codec.kind == AL8:
-        c3 = _blocked(codes.to(torch.int32))
+        c3 = _blocked(codes.to(torch.int32), fill=AL8_ZERO)
         x3 = _log_decode(c3, meta[..., 0].contiguous().view(torch.int32))
     elif codec.kind == LEGACY_AL8:
         x3 = _legacy_log_decode(_blocked(codes.float()), meta[..., 0], meta[..., 1])

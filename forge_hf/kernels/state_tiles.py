@@ -53,6 +53,12 @@ def _high_bits(word, n):
 
 
 @triton.jit
+def _unsigned_min(i, n):
+    """min(i, n) with i read as unsigned: a negative i gives n."""
+    return tl.minimum(i.to(tl.uint32, bitcast=True), n).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _min_positive(b, axis: tl.constexpr):
     """The least positive value along ``axis`` (0 where none is): b - 1 as unsigned puts
     zero and negative values above every positive one, with no select an element."""
@@ -65,7 +71,7 @@ def _min_positive(b, axis: tl.constexpr):
 _ops = types.ModuleType("forge_hf.kernels.state_tiles.codec_ops")
 _ops.__getattr__ = lambda name: getattr(tl, name)
 _ops.bits, _ops.from_bits, _ops.to_float, _ops.to_int = _bits, _from_bits, _to_float, _to_int
-_ops.min_positive, _ops.high_bits = _min_positive, _high_bits
+_ops.min_positive, _ops.high_bits, _ops.unsigned_min = _min_positive, _high_bits, _unsigned_min
 absmax_encode, floor_positive, absmax_decode, log_encode, log_decode = (
     triton.jit(bind_ops(f, _ops, tl=tl)) for f in
     (codecs.absmax_encode, codecs.floor_positive, codecs.absmax_decode, codecs.log_encode, codecs.log_decode))
