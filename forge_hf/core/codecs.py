@@ -102,13 +102,12 @@ def log_encode(x, valid, word):
     position between two grid values (unbiased), or HALF_WORD to round to the nearer."""
     b = ops.bits(ops.where(valid, x, 0.0))  # 0 for zero and padding
     hi = ops.max(b, axis=-1)
-    lo = ops.min_positive(b, -1)  # 0: a block of zeros
+    lo = ops.where(hi > 0, ops.min_positive(b, -1), 0)  # 0: a block of zeros
     # the smallest shift with span <= 252 * 2**shift, from the span's float exponent
     # (252 = 1.96875 * 2**7; adding 0x3FFFF carries into the exponent above mantissa 1.96875):
-    # then (hi - base) >> shift <= 253, and rounding up reaches code 254 at most. A span
-    # below 2**31 gives at most MAX_SHIFT = 24.
+    # then (hi - base) >> shift <= 253, and rounding up reaches code 254 at most
     span = ops.to_float(hi - lo)
-    shift = ops.maximum(((ops.bits(span) + 0x3FFFF) >> 23) - 134, 5)  # MIN_SHIFT
+    shift = ops.minimum(ops.maximum(((ops.bits(span) + 0x3FFFF) >> 23) - 134, 5), 24)  # MIN_SHIFT, MAX_SHIFT
     base = (lo >> shift) << shift
     up = ops.high_bits(word, ops.expand_dims(shift, -1))  # uniform in [0, 2**shift)
     codes = (b - ops.expand_dims(base, -1) + up) >> ops.expand_dims(shift, -1)
@@ -208,7 +207,7 @@ TORCH_OPS = types.SimpleNamespace(
     minimum=lambda a, b: torch.minimum(a, torch.as_tensor(b, dtype=a.dtype, device=a.device)),
     where=torch.where, abs=torch.abs, div_rn=_div_rn, expand_dims=torch.unsqueeze,
     bits=lambda x: x.view(torch.int32), from_bits=lambda i: i.view(torch.float32),
-    min_positive=lambda b, axis: torch.amin(torch.where(b > 0, b, 0x7FFFFFFF), dim=axis) % 0x7FFFFFFF,  # none: 0
+    min_positive=lambda b, axis: torch.amin(torch.where(b > 0, b, 0x7FFFFFFF), dim=axis),
     high_bits=lambda word, n: ((torch.as_tensor(word, dtype=torch.int64, device=n.device) & 0xFFFFFFFF)
                                >> (32 - n.long())).to(torch.int32),
     to_int=lambda f: f.to(torch.int32),
