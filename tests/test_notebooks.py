@@ -39,7 +39,7 @@ def cpt_state_precision() -> str:
     """8-bit state where forge_hf has it, else bf16."""
     from forge_hf.core.state import STATE_PRECISIONS
 
-    return "int8" if "int8" in STATE_PRECISIONS else "bf16"
+    return "al8" if "al8" in STATE_PRECISIONS else "bf16"
 
 
 def tiny_parameters(name: str, tmp_path: Path) -> dict:

@@ -21,7 +21,7 @@ HARDWARE = [] if torch.cuda.is_available() else ["--use_cpu", "true"]
 
 def test_the_recipe_set_is_complete():
     names = {p.stem for p in RECIPES}
-    expected = {f"{m}-cpt-{s}-state" for m in CPT_MODELS for s in ("bf16", "int8")}
+    expected = {f"{m}-cpt-{s}-state" for m in CPT_MODELS for s in ("bf16", "al8")}
     assert expected | {"smoke", "qwen3-1.7b-shape-random-local"} <= names
 
 
@@ -33,7 +33,7 @@ def test_every_recipe_parses(path):
 
 
 @pytest.mark.parametrize("model", CPT_MODELS)
-@pytest.mark.parametrize("state", ["bf16", "int8"])
+@pytest.mark.parametrize("state", ["bf16", "al8"])
 def test_cpt_recipes_use_the_papers_settings(model, state):
     recipe = load_recipe(RECIPES_DIR / f"{model}-cpt-{state}-state.yaml", HARDWARE)
     t, d = recipe.training, recipe.data
@@ -43,7 +43,7 @@ def test_cpt_recipes_use_the_papers_settings(model, state):
     assert t.lr_scheduler_type == "cosine" and t.bf16 and t.use_liger_kernel
     assert recipe.model.dtype == "bfloat16"
     assert d.dataset_name == "nvidia/OpenMathInstruct-2" and d.streaming
-    assert forge_options(t).patch["state_precision"] == state  # int8 is validated at patch time
+    assert forge_options(t).patch["state_precision"] == state  # al8 is validated at patch time
 
 
 def test_forge_arguments_cover_forge_trainers_options():
