@@ -2,6 +2,7 @@
 one data order: does bf16 forge learn like fp32-master AdamW, where plain bf16 AdamW stalls?
 
     python benchmarks/convergence.py --lr 3e-5 --out conv_3e-5.json --png conv_3e-5.png
+    python benchmarks/convergence.py --quantization-report --jobs 13 --out conv.json --png conv.png --md conv.md
     python benchmarks/convergence.py --lr 1e-3 --arms fp32_master,forge_int8,forge_al8 --out conv_1e-3.json
     python benchmarks/convergence.py --curves conv_3e-5.json conv_1e-3.json --png convergence.png --md convergence.md
     python benchmarks/convergence.py --steps 20 --hidden 64 --layers 2 --vocab 512 --seq 32 --batch 4 --device cpu
@@ -37,7 +38,11 @@ import copy
 import gc
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -474,6 +479,9 @@ def parse_args(argv=None):
     ap.add_argument("--png", type=Path, help="the plot")
     ap.add_argument("--md", type=Path, help="the final losses (and reports) as markdown")
     ap.add_argument("--curves", type=Path, nargs="+", help="draw --png/--md from these --out files; no training")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="train this many (arm, lr) pairs at once, each in a process of its own with its share "
+                         "of the CPU's threads; their curves merged")
     add_table_option(ap)
     opts = ap.parse_args(argv)
     try:
@@ -499,7 +507,7 @@ def check(opts) -> None:
         raise ValueError(f"--lr {opts.lr!r} is not a comma-separated list of numbers: e.g. --lr 3e-5,1e-3") from None
     if not all(v > 0 for v in opts.lr):
         raise ValueError(f"--lr {opts.lr} has a learning rate <= 0: give positive peak rates")
-    for name in ("steps", "eval_every", "eval_sequences", "batch", "hidden", "layers", "topics"):
+    for name in ("steps", "eval_every", "eval_sequences", "batch", "hidden", "layers", "topics", "jobs"):
         if getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(opts, name)} must be at least 1")
     if opts.seq < 2 or opts.vocab < 16:
@@ -526,13 +534,65 @@ def check(opts) -> None:
         opts.arms.append(CAPTURE_ARM)
 
 
+# ------------------------------------------------------------------------------ --jobs
+
+# what a child process needs to train one (arm, lr) of this run as the parent would
+CHILD_OPTIONS = ("steps", "warmup_steps", "eval_every", "eval_sequences", "batch", "seq", "hidden", "layers",
+                 "intermediate", "heads", "vocab", "topics", "data_seed", "seed", "weight_decay", "device",
+                 "backend", "capture_steps")
+
+
+def child_argv(opts, arm: str, lr: float, out: Path) -> list[str]:
+    """The command line that trains (arm, lr) of this run in a process of its own."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--arms", arm, "--lr", repr(lr), "--out", str(out),
+            "--table", str(opts.table)]
+    for name in CHILD_OPTIONS:
+        value = getattr(opts, name)
+        argv += [f"--{name.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    if opts.no_graph:
+        argv.append("--no-graph")
+    if arm == CAPTURE_ARM and opts.quantization_report:
+        argv.append("--quantization-report")
+    return argv
+
+
+def run_in_processes(opts, poll_s: float = 0.5) -> dict:
+    """Every (arm, lr) in a process of its own, --jobs at a time, each with its share of the
+    CPU's threads: processes drawing their documents side by side at the full thread count
+    stall one another. Each appends its own row; the result merges their curves in the
+    order one process would have trained them."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // opts.jobs)))
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [(arm, lr, Path(tmp) / f"{arm}_{lr:g}.json") for lr in opts.lr for arm in opts.arms]
+        pending, running = list(runs), []
+        try:
+            while pending or running:
+                while pending and len(running) < opts.jobs:
+                    arm, lr, out = pending.pop(0)
+                    running.append((arm, lr, subprocess.Popen(child_argv(opts, arm, lr, out), env=env)))
+                time.sleep(poll_s)
+                for arm, lr, child in list(running):
+                    if child.poll() is None:
+                        continue
+                    running.remove((arm, lr, child))
+                    if child.returncode:
+                        raise RuntimeError(f"the process training {arm} at lr {lr:g} exited with {child.returncode} "
+                                           "(its output is above)")
+        finally:
+            for _, _, child in running:
+                child.kill()
+        return merge_curves([out for _, _, out in runs])
+
+
 def main(argv=None, observe=None) -> dict:
     """Train every (arm, lr), append its row, write --out/--png/--md; the result dict.
     ``observe`` (tests): ``start(arm, lr, model)`` before each arm's first step and
     ``batch(arm, lr, step, input_ids)`` before each step."""
     opts = parse_args(argv)
-    if opts.curves:
-        result = merge_curves(opts.curves)
+    if opts.curves or opts.jobs > 1:
+        result = merge_curves(opts.curves) if opts.curves else run_in_processes(opts)
+        if opts.out and not opts.curves:
+            opts.out.write_text(json.dumps(result, indent=1))
         write_outputs(result, opts)
         return result
     language = TopicMarkovLanguage(opts.vocab, opts.topics, opts.data_seed)

@@ -164,6 +164,7 @@ def test_language_is_seeded_and_its_floor_is_a_distribution(convergence):
     (["--lr", "3e-5,fast"], "--lr '3e-5,fast' is not a comma-separated list"),
     (["--lr", "0"], "has a learning rate <= 0"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--jobs", "0"], "--jobs 0 must be at least 1"),
     (["--hidden", "96", "--heads", "5"], "--hidden 96 is not divisible by --heads 5"),
     (["--warmup-steps", "50"], "--warmup-steps 50 must be between 1 and --steps 8"),
     (["--capture-steps", "1,4"], "--capture-steps [1] outside 2..--steps 8"),
@@ -181,3 +182,25 @@ def test_cuda_device_without_cuda_is_refused(convergence, capsys):
     with pytest.raises(SystemExit):
         convergence.parse_args(TINY[:-1] + ["cuda"])
     assert "--device cuda but no CUDA device is visible: use --device cpu" in capsys.readouterr().err
+
+
+def test_jobs_train_each_run_in_a_process_of_its_own_with_the_same_curves(convergence, run, tmp_path):
+    """--jobs 2: each (arm, lr) trained by a child process, rows appended by each, curves
+    merged in one process's order and equal to one process's."""
+    result, _, _ = run
+    arms = ("fp32_master", "forge_al8")
+    merged = convergence.main(TINY + ["--lr", ",".join(map(str, LRS)), "--arms", ",".join(arms), "--jobs", "2",
+                                      "--out", str(tmp_path / "merged.json"), "--table", str(tmp_path / "rows.csv")])
+    assert [(r["arm"], r["lr"]) for r in merged["runs"]] == [(a, lr) for lr in LRS for a in arms]
+    alone = {(r["arm"], r["lr"]): r["eval_loss"] for r in result["runs"]}
+    for r in merged["runs"]:
+        assert r["eval_loss"] == pytest.approx(alone[r["arm"], r["lr"]], rel=1e-5)
+    with (tmp_path / "rows.csv").open(newline="") as f:
+        assert sorted(row["arm"] for row in csv.DictReader(f)) == sorted(arms * len(LRS))
+    assert json.loads((tmp_path / "merged.json").read_text())["runs"] == merged["runs"]
+
+
+def test_jobs_name_the_run_whose_process_failed(convergence, tmp_path):
+    with pytest.raises(RuntimeError, match=r"training forge_al8 at lr 0.01 exited with 1"):
+        convergence.main(TINY + ["--lr", "1e-2", "--arms", "forge_al8", "--jobs", "2", "--backend", "nonsense",
+                                 "--table", str(tmp_path / "rows.csv")])
