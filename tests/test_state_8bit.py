@@ -2,6 +2,7 @@
 exactly and convert between precisions, the memory is what it should be, and a tiny
 model trains like it does with fp32 states."""
 
+import dataclasses
 import io
 import warnings
 
@@ -371,3 +372,13 @@ def test_training_parity_with_fp32_state():
         gap = (torch.tensor(_train_tiny_llama(precision)) - fp32).abs()
         print(f"{precision}: loss gap to fp32 state: max {gap.max():.4f}, mean {gap.mean():.5f} nats")
         assert gap.max() < tolerance
+
+
+def test_al8_refuses_a_rule_with_two_never_negative_states():
+    """al8 codes round with the element hash's high half, one slot's worth: a rule with two
+    never-negative states would round both with the same bits, so al8 is refused for it."""
+    rule = dataclasses.replace(get_rule("rmsprop"), slot_signed=(False, False, True))
+    with pytest.raises(ValueError, match=r"state_precision='al8' takes at most one never-negative state a layer, "
+                                         r"and rule 'rmsprop' has 2: use state_precision='int8'"):
+        ForgeState(rule, "al8", transposed=False)
+    assert ForgeState(rule, "int8", transposed=False).precision == "int8"
