@@ -220,7 +220,7 @@ _absmax_encode, _floor_positive, _absmax_decode, _log_encode, _log_decode = (
 
 def _legacy_log_decode(codes, lo, width):
     """forge_hf 0.1.0's al8: code c > 0 is 2**(lo + (c - 1) * width / 254)."""
-    step = torch.div(width, torch.full_like(width, 254.0)).unsqueeze(-1)
+    step = _div_rn(width, 254.0).unsqueeze(-1)
     return torch.where(codes > 0, torch.exp2(lo.unsqueeze(-1) + (codes - 1.0) * step), 0.0)
 
 

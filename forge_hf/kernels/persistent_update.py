@@ -40,10 +40,10 @@ from .state_tiles import (
     ABSMAX8,
     AL8,
     BF16,
-    HALF_WORD,
     NONE,
     absmax_biased,
     absmax_decode,
+    al8_word,
     int8_code,
     log_decode,
     log_encode,
@@ -192,17 +192,14 @@ def _stage_state(p, lane: gl.constexpr, slot: gl.constexpr, value, h, meta_ptr, 
                  STOCHASTIC: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
                  KIND: gl.constexpr):
     """Write a state block into its buffer (an 8-bit one's metadata straight to memory), as
-    state_tiles.store_state does: slot s takes the hash's slot s + 1."""
+    state_tiles.store_state does: a bf16 slot s takes the hash's slot s + 1, al8 codes
+    state_tiles.al8_word."""
     buf = p.s_bufs.index(s_index(lane, slot, S0, S1, S2))
     rows = off_n + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, value.type.layout))
     if KIND == BF16:
         buf.store(fp32_to_bf16_bits(value, h, slot + 1, STOCHASTIC))
     elif KIND == AL8:
-        if STOCHASTIC:
-            word = h  # hash slot 1, the high half, as state_tiles.store_state
-        else:
-            word = HALF_WORD
-        codes, meta = log_encode(value, True, word)  # every element lies inside the weight
+        codes, meta = log_encode(value, True, al8_word(h, STOCHASTIC))  # every element lies inside the weight
         buf.store(codes.to(gl.int8))  # the uint8 code's bits
         gl.store(meta_ptr + (off_k // BLOCK) * N + rows, meta.to(gl.float32, bitcast=True))
     else:

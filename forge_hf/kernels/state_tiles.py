@@ -25,7 +25,6 @@ AL8 = tl.constexpr(codecs.AL8)
 QBLOCK = tl.constexpr(codecs.BLOCK)
 
 
-
 @triton.jit
 def _bits(x):
     return x.to(tl.int32, bitcast=True)
@@ -78,6 +77,19 @@ absmax_encode, floor_positive, absmax_decode, log_encode, log_decode = (
 HALF_WORD = tl.constexpr(codecs.HALF_WORD)
 ROUNDER = tl.constexpr(codecs.ROUNDER)
 ROUNDER_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", codecs.ROUNDER))[0])  # 0x4B400000
+
+
+@triton.jit
+def al8_word(h, STOCHASTIC: tl.constexpr):
+    """The random bits al8 codes round with (codecs.log_encode): the whole element hash, its
+    high half being hash slot 1 (free: an al8 layer's other states are absmax8, rounded to
+    nearest) and its low half only refining the last 2**-16 of a step; HALF_WORD rounds to
+    nearest."""
+    if STOCHASTIC:
+        word = h
+    else:
+        word = HALF_WORD
+    return word
 
 
 @triton.jit
@@ -166,12 +178,9 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
         x = tl.reshape(value, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         valid = tl.reshape(mask, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         if KIND == AL8:
-            # the element hash's high half (hash slot 1, free: an al8 layer's other states are
-            # absmax8, rounded to nearest), its low half below it (codecs.log_encode)
+            word = al8_word(h, STOCHASTIC)
             if STOCHASTIC:
-                word = tl.reshape(h, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
-            else:
-                word = HALF_WORD
+                word = tl.reshape(word, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
             codes, meta = log_encode(x, valid, word)
             tl.store(meta_ptr + block, meta.to(tl.float32, bitcast=True), mask=block_keep)
             tl.store(ptr + offs, tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.uint8), mask=keep)
