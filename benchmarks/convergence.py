@@ -589,9 +589,13 @@ def main(argv=None, observe=None) -> dict:
     ``observe`` (tests): ``start(arm, lr, model)`` before each arm's first step and
     ``batch(arm, lr, step, input_ids)`` before each step."""
     opts = parse_args(argv)
-    if opts.curves or opts.jobs > 1:
-        result = merge_curves(opts.curves) if opts.curves else run_in_processes(opts)
-        if opts.out and not opts.curves:
+    if opts.curves:
+        result = merge_curves(opts.curves)
+        write_outputs(result, opts)
+        return result
+    if opts.jobs > 1:
+        result = run_in_processes(opts)
+        if opts.out:
             opts.out.write_text(json.dumps(result, indent=1))
         write_outputs(result, opts)
         return result
