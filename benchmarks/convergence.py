@@ -28,12 +28,15 @@ consecutive first moments, and forge_hf.quantization_report measures on every fu
 how bf16, int8 and al8 storage of those real states would change that step's update (E_upd).
 
 Each (arm, lr) is a row of the results table (final_eval_loss in the note); --out holds the
-curves (rewritten after each arm, so a run cut short keeps the arms it finished).
+curves (rewritten after each arm, so a run cut short keeps the arms it finished). With
+--jobs, each process's curves go to <out stem>_parts/ beside --out, kept if the run is cut
+short: draw what finished with --curves.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -562,8 +565,13 @@ def run_in_processes(opts, poll_s: float = 0.5) -> dict:
     stall one another. Each appends its own row; the result merges their curves in the
     order one process would have trained them."""
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // opts.jobs)))
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = [(arm, lr, Path(tmp) / f"{arm}_{lr:g}.json") for lr in opts.lr for arm in opts.arms]
+    with contextlib.ExitStack() as stack:
+        if opts.out:
+            parts = opts.out.parent / f"{opts.out.stem}_parts"
+            parts.mkdir(parents=True, exist_ok=True)
+        else:
+            parts = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        runs = [(arm, lr, parts / f"{arm}_{lr:g}.json") for lr in opts.lr for arm in opts.arms]
         pending, running = list(runs), []
         try:
             while pending or running:

@@ -198,6 +198,10 @@ def test_jobs_train_each_run_in_a_process_of_its_own_with_the_same_curves(conver
     with (tmp_path / "rows.csv").open(newline="") as f:
         assert sorted(row["arm"] for row in csv.DictReader(f)) == sorted(arms * len(LRS))
     assert json.loads((tmp_path / "merged.json").read_text())["runs"] == merged["runs"]
+    # each process's curves stay beside --out, so a run cut short can still be drawn
+    parts = sorted((tmp_path / "merged_parts").glob("*.json"))
+    assert [p.name for p in parts] == sorted(f"{a}_{lr:g}.json" for a in arms for lr in LRS)
+    assert convergence.merge_curves(parts)["runs"] == sorted(merged["runs"], key=lambda r: f"{r['arm']}_{r['lr']:g}")
 
 
 def test_jobs_name_the_run_whose_process_failed(convergence, tmp_path):
