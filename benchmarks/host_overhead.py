@@ -260,7 +260,7 @@ def layer_floor_us(model_name, tokens=2048, layers=28, steps=20) -> dict:
     return us
 
 
-def profile_training(model_name, steps) -> float:
+def profile_training(model_name, steps, lines=35) -> float:
     """Wall ms of an eager forge step (bf16 state, 1 x 512), then a cProfile of ``steps`` more."""
     step = eager_training(model_name, "bf16", batch=1)
     t = time.perf_counter()
@@ -275,7 +275,7 @@ def profile_training(model_name, steps) -> float:
         step()
     torch.cuda.synchronize()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(lines)
     return wall_ms
 
 
@@ -283,13 +283,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile-lines", type=int, default=35, help="functions shown of the eager step's cProfile")
     add_table_option(ap)
     opts = ap.parse_args()
     costs = launch_costs()
     layer_us = per_layer_host_us(opts.model, opts.steps)
     plain_us = plain_linear_host_us(opts.model)
     floor_us = layer_floor_us(opts.model)
-    wall_ms = profile_training(opts.model, opts.steps)
+    wall_ms = profile_training(opts.model, opts.steps, opts.profile_lines)
     rows = [dict(model="64x64 layer", batch="1x16", arm=f"host_{name}", step_ms=us / 1e3, tool="host_overhead",
                  note="host time per call") for name, us in costs.items()]
     rows.append(dict(model=opts.model, batch="1x512", arm="forge_bf16", step_ms=wall_ms, tool="host_overhead",
