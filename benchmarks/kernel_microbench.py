@@ -15,6 +15,7 @@ what auto would pick per shape.
     python benchmarks/kernel_microbench.py --kernel triton --configs all   # tile configs, best kept
     python benchmarks/kernel_microbench.py --ablate mainloop_only          # kernel_ablations.py
     python benchmarks/kernel_microbench.py --tokens 2048 --paths fused,two_pass,cublas
+    python benchmarks/kernel_microbench.py --kernel wide --tokens 4096     # 128 x 128 tiles (bf16 state)
     ncu --kernel-name regex:update --launch-skip 3 --launch-count 1 --set full -o prof \\
         python benchmarks/kernel_microbench.py --ncu gate_proj/up_proj     # launches only, no timing
 """
@@ -39,6 +40,7 @@ from forge_hf.kernels.dispatch import (
 from forge_hf.kernels.fused_update import RULE_UPDATES, default_config
 from forge_hf.kernels.persistent_launch import launch_persistent, persistent_unsupported
 from forge_hf.kernels.two_pass import GradientScratch, matmul_fp32
+from forge_hf.kernels.wide_launch import launch_wide, wide_unsupported
 
 import kernel_ablations
 from models import SHAPES, linear_shapes
@@ -91,9 +93,14 @@ def layer(n: int, k: int, tokens: int, precision: str, seed: int = 0):
 
 
 def launcher(opts, x, dy, w, slots, args, stats, config=None):
-    """The launch this run times: the persistent kernel (or an ablation of it), or the Triton
-    kernel with ``config`` (BN, BK, BT, warps, stages; None: its default)."""
+    """The launch this run times: the persistent kernel (or an ablation of it), the wide one,
+    or the Triton kernel with ``config`` (BN, BK, BT, warps, stages; None: its default)."""
     stochastic = opts.rounding == "stochastic"
+    if opts.kernel == "wide":
+        reason = wide_unsupported(x, dy, w, slots)
+        if reason:
+            raise SystemExit(f"the wide kernel does not take this layer ({reason})")
+        return lambda: launch_wide(x, dy, w, slots, args, stats, RULE_UPDATES["adamw"], stochastic)
     if opts.kernel == "persistent":
         reason = persistent_unsupported(x, dy, w, slots)
         if reason:
@@ -157,9 +164,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--state", default="bf16", choices=STATE_PRECISIONS)
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
-    ap.add_argument("--kernel", default="persistent", choices=["persistent", "triton"],
-                    help="persistent: the Gluon kernel (Hopper; bf16 weight, bf16 or int8 state); "
-                         "triton: fused_update.py's")
+    ap.add_argument("--kernel", default="persistent", choices=["persistent", "wide", "triton"],
+                    help="persistent: the Gluon kernel (Hopper; bf16 weight, bf16, int8 or al8 state); "
+                         "wide: its 128 x 128 tiles (bf16 state); triton: fused_update.py's")
     ap.add_argument("--configs", default="default",
                     help="triton: 'default' (its own per shape), 'all' (CONFIGS, best kept) "
                          "or 'BN,BK,BT,warps,stages;...'")
@@ -175,6 +182,8 @@ def main():
     ap.add_argument("--out", default=None, help="also write the per-shape timings as JSON")
     add_table_option(ap)
     opts = ap.parse_args()
+    if opts.kernel == "wide" and opts.ablate != "none":
+        raise SystemExit(f"--ablate {opts.ablate}: the wide kernel has no ablations (persistent and triton do)")
     if opts.kernel == "triton" and opts.ablate != "none":
         kernel_ablations.apply_triton(opts.ablate)
     if opts.ncu:

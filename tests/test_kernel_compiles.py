@@ -128,6 +128,67 @@ def compile_persistent() -> dict:
     return results
 
 
+WIDE_VARIANTS = [(key, True) for key in PERSISTENT_RULES] + [("adamw", False)]
+
+
+def _stack_bytes(cubin: bytes) -> int:
+    """The stack frame ptxas gave the kernel: registers spilled where it is not 0."""
+    import pathlib
+    import re
+    import tempfile
+
+    import triton
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def compile_wide() -> dict:
+    """Run in the child: the wide Gluon kernel as launch_wide would launch it, bf16 state,
+    each rule, stochastic rounding (and AdamW's nearest); no registers spilled."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from forge_hf.core.launch_args import pack_args
+    from forge_hf.core.rules import get_rule, make_group
+    from forge_hf.core.state import ForgeState
+    from forge_hf.kernels.fused_update import RULE_UPDATES
+    from forge_hf.kernels.wide_launch import wide_launch_arguments
+    from forge_hf.kernels.wide_update import wide_update_kernel
+
+    names = wide_update_kernel.arg_names
+    results = {}
+    for key, stochastic in WIDE_VARIANTS:
+        try:
+            rule = get_rule(key.split("-")[0])
+            group = make_group(rule, PERSISTENT_RULES[key])
+            weight = torch.zeros(256, 384, dtype=torch.bfloat16)
+            state = ForgeState(rule, "bf16", transposed=False)
+            state.allocate(weight, group)
+            x, dy = torch.zeros(100, 384, dtype=torch.bfloat16), torch.zeros(100, 256, dtype=torch.bfloat16)
+            args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
+            positional, constexprs, options = wide_launch_arguments(
+                x, dy, weight, state.kernel_slots(), args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic)
+            sig = _signature(names, positional)
+            sig.update({k: "constexpr" for k in constexprs})
+            source = GluonASTSource(fn=wide_update_kernel, signature=sig,
+                                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            spills = _stack_bytes(compiled.asm["cubin"])
+            problems = [f"shared memory {compiled.metadata.shared}"] * (compiled.metadata.shared > 232448)
+            problems += [f"{spills} bytes of registers spilled to the stack"] * bool(spills)
+            results[f"{key}/{stochastic}"] = "; ".join(problems) or "ok"
+        except Exception as e:
+            results[f"{key}/{stochastic}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+    return results
+
+
 def _in_child(function: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, test_kernel_compiles as t; print('RESULTS' + json.dumps(t.{function}()))"
@@ -158,3 +219,13 @@ def test_kernel_compiles_for_sm90(compiled, rule_name, variant):
 @pytest.mark.parametrize("rule_key", sorted(PERSISTENT_RULES))
 def test_persistent_kernel_compiles_for_sm90(compiled_persistent, rule_key, variant):
     assert compiled_persistent[f"{rule_key}/{variant}"] == "ok", compiled_persistent[f"{rule_key}/{variant}"]
+
+
+@pytest.fixture(scope="module")
+def compiled_wide():
+    return _in_child("compile_wide")
+
+
+@pytest.mark.parametrize("variant", [f"{key}/{stochastic}" for key, stochastic in WIDE_VARIANTS])
+def test_wide_kernel_compiles_for_sm90(compiled_wide, variant):
+    assert compiled_wide[variant] == "ok", compiled_wide[variant]

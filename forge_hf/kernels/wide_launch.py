@@ -1,0 +1,80 @@
+"""When and how the wide Gluon kernel (wide_update.py) runs a layer's step: a bf16 weight with
+bf16 or absent states, both dimensions multiples of 128, on a Hopper GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ..core import codecs
+from ..core.codecs import storage_kind
+from .compiled import launch_compiled
+from .persistent_launch import _aligned, device_unsupported, tokens_unsupported
+from .wide_update import CHUNK_SIZE, TILE_SIZE, wide_update_kernel
+
+NUM_BUF = 4  # ring slots of 32 KB; with the 64 KB staging buffer, 192 of the 227 KB
+MMA_REGS, PRODUCER_REGS, MAXNREG = 168, 40, 128  # 16 warps: 8 epilogue, 4 MMA, a producer (a warpgroup)
+KINDS = (codecs.NONE, codecs.BF16)
+
+
+def wide_unsupported(x, dy, weight, slots) -> str | None:
+    """Why the wide kernel cannot take this step (None: it can)."""
+    return device_unsupported(weight.device) or weight_unsupported(weight, slots) or tokens_unsupported(x, dy)
+
+
+def weight_unsupported(weight, slots) -> str | None:
+    if weight.dtype != torch.bfloat16:
+        return "the weight must be bf16"
+    n, k = weight.shape
+    if n % TILE_SIZE or k % TILE_SIZE:
+        return f"weight shape {tuple(weight.shape)} is not a multiple of {TILE_SIZE}"
+    if weight.stride() != (k, 1) or not _aligned(weight):
+        return "weight is not row-major and 16-byte aligned"
+    for slot in slots:
+        if storage_kind(slot) not in KINDS:
+            return "a state slot is neither bf16 nor absent"
+        if slot is not None and (slot.stride() != weight.stride() or not _aligned(slot)):
+            return "a state slot is not laid out as the weight"
+    return None
+
+
+@functools.cache
+def _chunk_layout():
+    from triton.experimental.gluon import language as gl
+    return gl.NVMMASharedLayout.get_default_for([CHUNK_SIZE, TILE_SIZE], gl.bfloat16)
+
+
+def chunk_descriptor(t: torch.Tensor):
+    """A TMA descriptor of (64 tokens, 128 features) chunks of bf16 tokens."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor.from_tensor(t, [CHUNK_SIZE, TILE_SIZE], _chunk_layout())
+
+
+def wide_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stochastic):
+    """(positional arguments, constexpr arguments, compile options) of the launch; arguments
+    as persistent_launch.persistent_launch_arguments'."""
+    n, k = weight.shape
+    bits = weight.view(torch.int16)
+    stored = [bits if s is None else s.view(torch.int16) for s in slots]
+    kinds = [storage_kind(s) for s in slots]
+    constexprs = dict(RULE_UPDATE=rule_update, S0=kinds[0], S1=kinds[1], S2=kinds[2], STOCHASTIC=stochastic,
+                      NUM_BUF=NUM_BUF, MMA_REGS=MMA_REGS, PRODUCER_REGS=PRODUCER_REGS)
+    options = dict(num_warps=8, maxnreg=MAXNREG, enable_fp_fusion=False)  # no FMA contraction, as the other kernels
+    positional = [chunk_descriptor(x), chunk_descriptor(dy), bits, *stored, args, stats, n, k, x.shape[0]]
+    return positional, constexprs, options
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_wide(x, dy, weight, slots, args, stats, rule_update, stochastic) -> None:
+    """One fused step of one layer by the wide kernel."""
+    positional, constexprs, options = wide_launch_arguments(x, dy, weight, slots, args, stats, rule_update,
+                                                            stochastic)
+    n, k = weight.shape
+    grid = (min(_multiprocessors(weight.device), triton.cdiv(n, TILE_SIZE) * triton.cdiv(k, TILE_SIZE)),)
+    launch_compiled(wide_update_kernel, grid, positional, constexprs, options)

@@ -1,0 +1,229 @@
+"""Gluon (Hopper): the fused step of one linear layer at thousands of tokens, on 128 x 128
+tiles whose epilogue runs beside the next tile's GEMM.
+
+At 2048 tokens and more the weight gradient's GEMM is most of the step, and a 64 x 64 tile
+(persistent_update.py) reads two 64-wide chunks from L2 for every 64 x 64 x 64 products: it
+is bound by L2's bandwidth at well under cuBLAS's rate. A 128 x 128 tile reads half as much
+per product. Its fp32 accumulator (128 registers a thread of one warpgroup) leaves no room
+for the rule's operands, so the work is split three ways in one program per multiprocessor:
+
+* a producer warp: TMA copies of the 64-token chunks of dy and x into a ring;
+* an MMA warpgroup: the tile's gradient by wgmma over the chunks, then the accumulator
+  into a shared staging buffer, and on to the next tile;
+* two epilogue warpgroups (the default partition): the staged gradient 64 x 64 block by
+  block, the weight and states straight from memory, the rule, the rounding, the stores.
+
+A 64 x 64 block whose squared gradient sum is not finite is not written and is counted,
+as in the other kernels, so both give the same bits. Covers a bf16 weight with bf16 or
+absent states in its row-major layout, N and K multiples of 128, bf16 x and dy
+(wide_launch.py says which).
+"""
+# no `from __future__ import annotations`: the aggregate checks its field types at run time
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.language.core import _aggregate as aggregate
+
+from .state_tiles import NONE
+from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
+from .tile_step import finite_sumsq, load_step_args
+
+# Triton 3.6's names, renamed in later releases
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the calling partition's warps
+
+TILE_SIZE = 128  # rows and columns of a tile
+CHUNK_SIZE = 64  # tokens of a ring slot
+SUB_SIZE = 64  # rows and columns of an epilogue block (the unit of non-finite skipping)
+TILE = gl.constexpr(TILE_SIZE)
+CHUNK = gl.constexpr(CHUNK_SIZE)
+SUB = gl.constexpr(SUB_SIZE)
+
+
+@aggregate
+class Wide:
+    """Descriptors, shared buffers and barriers every partition sees."""
+    x_desc: tma.tensor_descriptor
+    dy_desc: tma.tensor_descriptor
+    x_bufs: gl.shared_memory_descriptor  # (NUM_BUF, 64, 128): token chunks of x
+    dy_bufs: gl.shared_memory_descriptor  # of dy
+    acc_buf: gl.shared_memory_descriptor  # (128, 128) fp32: a tile's gradient, MMA -> epilogue
+    empty: gl.shared_memory_descriptor  # (NUM_BUF, 1): a ring slot may be refilled
+    ready: gl.shared_memory_descriptor  # its chunk has landed
+    acc_empty: gl.shared_memory_descriptor  # (1, 1): the epilogue has read the staged gradient
+    acc_ready: gl.shared_memory_descriptor  # a gradient is staged
+
+    @gluon.constexpr_function
+    def __init__(self, x_desc, dy_desc, x_bufs, dy_bufs, acc_buf, empty, ready, acc_empty, acc_ready):
+        self.x_desc, self.dy_desc = x_desc, dy_desc
+        self.x_bufs, self.dy_bufs, self.acc_buf = x_bufs, dy_bufs, acc_buf
+        self.empty, self.ready, self.acc_empty, self.acc_ready = empty, ready, acc_empty, acc_ready
+
+
+@gluon.constexpr_function
+def epilogue_rows(S0, S1, S2):
+    """Rows of a 64 x 64 block the epilogue's 8 warps take at once: 8 elements a thread, 4
+    for a rule with three states (8 would spill registers)."""
+    return 16 if (S0 != NONE) + (S1 != NONE) + (S2 != NONE) == 3 else 32
+
+
+@gluon.constexpr_function
+def epilogue_layout(rows):
+    """8 warps over rows x 64: each thread 64 // (64 * rows // 256) consecutive elements."""
+    if rows == 32:
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[8, 1], order=[1, 0])
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0])
+
+
+@gluon.jit
+def _tiles(N, K):
+    """(tiles along N, this program's first tile, all tiles, stride between its tiles):
+    consecutive tiles run down the rows, so the programs at work share x's chunks in L2."""
+    tiles_n = N // TILE
+    return tiles_n, gl.program_id(0), tiles_n * (K // TILE), gl.num_programs(0)
+
+
+@gluon.jit
+def producer(p, N, K, T, NUM_BUF: gl.constexpr):
+    chunk_bytes: gl.constexpr = p.x_desc.block_type.nbytes + p.dy_desc.block_type.nbytes
+    tiles_n, first, num_tiles, stride = _tiles(N, K)
+    i = 0  # chunks issued
+    for tile in range(first, num_tiles, stride):
+        off_n = (tile % tiles_n) * TILE
+        off_k = (tile // tiles_n) * TILE
+        for t0 in range(0, T, CHUNK):  # TMA fills tokens past T with zeros
+            slot = i % NUM_BUF
+            mbarrier.wait(p.empty.index(slot), (i // NUM_BUF & 1) ^ 1)
+            bar = p.ready.index(slot)
+            mbarrier.expect(bar, chunk_bytes)
+            tma_load(p.x_desc, [t0, off_k], bar, p.x_bufs.index(slot))
+            tma_load(p.dy_desc, [t0, off_n], bar, p.dy_bufs.index(slot))
+            i += 1
+
+
+@gluon.jit
+def mma(p, N, K, T, NUM_BUF: gl.constexpr):
+    """Each tile's gradient dY[:, rows]^T X[:, cols] in fp32, staged for the epilogue."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, TILE, 16])
+    tiles_n, first, num_tiles, stride = _tiles(N, K)
+    i = 0  # chunks consumed
+    j = 0  # tiles staged
+    prev = 0
+    for _tile in range(first, num_tiles, stride):
+        acc = gl.zeros((TILE, TILE), gl.float32, layout)
+        for t0 in range(0, T, CHUNK):
+            slot = i % NUM_BUF
+            mbarrier.wait(p.ready.index(slot), i // NUM_BUF & 1)
+            acc = warpgroup_mma(p.dy_bufs.index(slot).permute((1, 0)), p.x_bufs.index(slot), acc, is_async=True)
+            # this chunk's MMA stays in flight; the previous one is done, its slot free
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            mbarrier.arrive(p.empty.index(prev), count=1, pred=t0 > 0)
+            prev = slot
+            i += 1
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(p.empty.index(prev), count=1)
+        mbarrier.wait(p.acc_empty.index(0), (j & 1) ^ 1)  # the epilogue has read the last tile
+        p.acc_buf.store(acc)
+        partition_barrier()  # every thread's part is stored before the one arrival
+        mbarrier.arrive(p.acc_ready.index(0), count=1)
+        j += 1
+
+
+@gluon.jit
+def _epilogue_rows(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, off_n, off_k, r0: gl.constexpr, c0: gl.constexpr, K, ok,
+                   consts, row0, salt, step, ROWS: gl.constexpr, layout: gl.constexpr, RULE_UPDATE: gl.constexpr,
+                   STOCHASTIC: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
+    """The rule on ROWS staged rows from (r0, c0), 64 columns, written where ``ok``."""
+    g = p.acc_buf.slice(r0, ROWS, dim=0).slice(c0, SUB, dim=1).load(layout)
+    rn = off_n + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    rk = off_k + c0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, layout))
+    offs = rn[:, None] * K + rk[None, :]
+    w = bf16_bits_to_fp32(gl.load(w_ptr + offs))
+    s0 = gl.zeros_like(g)
+    s1 = s0
+    s2 = s0
+    if S0 != NONE:
+        s0 = bf16_bits_to_fp32(gl.load(s0_ptr + offs))
+    if S1 != NONE:
+        s1 = bf16_bits_to_fp32(gl.load(s1_ptr + offs))
+    if S2 != NONE:
+        s2 = bf16_bits_to_fp32(gl.load(s2_ptr + offs))
+    w, s0, s1, s2 = RULE_UPDATE(w, g, s0, s1, s2, consts[0], consts[1], consts[2], consts[3], consts[4],
+                                consts[5], consts[6], consts[7], consts[8], consts[9], consts[10], consts[11])
+    if STOCHASTIC:
+        h = element_hash(((row0 + rn)[:, None] * K + rk[None, :]).to(gl.uint32, bitcast=True), salt, step)
+    else:
+        h = 0
+    if ok:
+        gl.store(w_ptr + offs, fp32_to_bf16_bits(w, h, 0, STOCHASTIC))
+        if S0 != NONE:
+            gl.store(s0_ptr + offs, fp32_to_bf16_bits(s0, h, 1, STOCHASTIC))
+        if S1 != NONE:
+            gl.store(s1_ptr + offs, fp32_to_bf16_bits(s1, h, 2, STOCHASTIC))
+        if S2 != NONE:
+            gl.store(s2_ptr + offs, fp32_to_bf16_bits(s2, h, 3, STOCHASTIC))
+
+
+@gluon.jit
+def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K,
+             RULE_UPDATE: gl.constexpr, STOCHASTIC: gl.constexpr,
+             S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
+    ROWS: gl.constexpr = epilogue_rows(S0, S1, S2)
+    layout: gl.constexpr = epilogue_layout(ROWS)
+    consts, step, salt, row0 = load_step_args(args_ptr)
+    tiles_n, first, num_tiles, stride = _tiles(N, K)
+    total = gl.to_tensor(0.0)
+    bad = gl.to_tensor(0.0)
+    j = 0
+    for tile in range(first, num_tiles, stride):
+        off_n = (tile % tiles_n) * TILE
+        off_k = (tile // tiles_n) * TILE
+        mbarrier.wait(p.acc_ready.index(0), j & 1)
+        for r in gl.static_range(TILE // SUB):
+            for c in gl.static_range(TILE // SUB):
+                # the block's sum decides for all of it; then its rows in parts (registers)
+                sumsq, ok = finite_sumsq(p.acc_buf.slice(r * SUB, SUB, dim=0).slice(c * SUB, SUB, dim=1).load(layout))
+                for part in gl.static_range(SUB // ROWS):
+                    _epilogue_rows(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, off_n, off_k, r * SUB + part * ROWS, c * SUB, K,
+                                   ok, consts, row0, salt, step, ROWS, layout, RULE_UPDATE, STOCHASTIC, S0, S1,
+                                   S2)
+                total += gl.where(ok, sumsq, 0.0)
+                bad += gl.where(ok, 0.0, 1.0)
+        partition_barrier()  # every thread has read the staged gradient before the one arrival
+        mbarrier.arrive(p.acc_empty.index(0), count=1)
+        j += 1
+    # relaxed: the sums are read after the kernel, which orders them
+    gl.atomic_add(stats_ptr, total, sem="relaxed")
+    gl.atomic_add(stats_ptr + 1, bad, sem="relaxed")
+
+
+@gluon.jit
+def wide_update_kernel(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K, T,
+                       RULE_UPDATE: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
+                       STOCHASTIC: gl.constexpr, NUM_BUF: gl.constexpr, MMA_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_BUF] + x_desc.block_type.shape, x_desc.layout)
+    dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [NUM_BUF] + dy_desc.block_type.shape, dy_desc.layout)
+    # rows of 128 fp32 rotated by 4 words a row: the MMA layout's stores and the epilogue's
+    # row-wise loads then spread over the banks
+    staged: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    acc_buf = gl.allocate_shared_memory(gl.float32, [TILE, TILE], staged)
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(NUM_BUF):
+        mbarrier.init(empty.index(b), count=1)
+        mbarrier.init(ready.index(b), count=1)
+    mbarrier.init(acc_empty.index(0), count=1)
+    mbarrier.init(acc_ready.index(0), count=1)
+    p = Wide(x_desc, dy_desc, x_bufs, dy_bufs, acc_buf, empty, ready, acc_empty, acc_ready)
+    # the epilogue is the default partition (the kernel's 8 warps); worker partitions take no tensors
+    gl.warp_specialize([
+        (epilogue, (p, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K, RULE_UPDATE, STOCHASTIC,
+                    S0, S1, S2)),
+        (mma, (p, N, K, T, NUM_BUF)),
+        (producer, (p, N, K, T, NUM_BUF)),
+    ], [4, 1], [MMA_REGS, PRODUCER_REGS])

@@ -1,0 +1,92 @@
+"""The wide Gluon kernel (kernels/wide_update.py): where it applies, and on a Hopper GPU that
+it gives fused_update.py's kernel's bits.
+
+Its 128 x 128 tiles form each gradient entry from the same 64-token wgmma chunks in the same
+order as the 64 x 64 tiles of the other kernels, skip non-finite gradients by the same
+64 x 64 blocks, and share the rules' arithmetic and the rounding hash: weights, states and
+statistics are compared for equality over several steps, on token counts that are not
+multiples of the chunk."""
+
+import pytest
+import torch
+from test_persistent import RULES, _hopper, _tensors
+
+from forge_hf.core.launch_args import pack_args
+from forge_hf.kernels.wide_launch import wide_unsupported
+
+BF16 = torch.bfloat16
+
+
+def test_what_the_wide_kernel_takes_and_what_stands_in_the_way(monkeypatch):
+    from forge_hf.kernels import wide_launch
+    monkeypatch.setattr(wide_launch, "device_unsupported", lambda device: None)  # the layouts alone
+    x, dy, w, state, *_ = _tensors(256, 384, 100)
+    slots = state.kernel_slots()
+    assert wide_unsupported(x, dy, w, slots) is None
+    assert wide_unsupported(x, dy, w, [None] * 3) is None
+    assert "multiple of 128" in wide_unsupported(x[:, :320], dy, w[:, :320], [None] * 3)
+    assert "multiple of 128" in wide_unsupported(x, dy[:, :192], w[:192], [None] * 3)
+    assert "bf16" in wide_unsupported(x, dy, w.float(), [None] * 3)
+    assert "x and dy must be bf16" in wide_unsupported(x.float(), dy, w, slots)
+    assert "row-major" in wide_unsupported(x, dy, w.t().contiguous().t(), [None] * 3)
+    assert "laid out as the weight" in wide_unsupported(x, dy, w, [slots[0].t().contiguous().t(), None, None])
+    for precision in ("int8", "al8", "fp32"):
+        _, _, _, other, _, _ = _tensors(256, 384, 100, precision)
+        assert "neither bf16 nor absent" in wide_unsupported(x, dy, w, other.kernel_slots())
+
+
+def test_cpu_tensors_and_the_environment_switch_keep_the_other_kernels(monkeypatch):
+    x, dy, w, state, *_ = _tensors(256, 384, 100)
+    assert "Hopper" in wide_unsupported(x, dy, w, state.kernel_slots())
+    monkeypatch.setenv("FORGE_HF_KERNEL", "triton")
+    assert wide_unsupported(x, dy, w, state.kernel_slots()) == "FORGE_HF_KERNEL=triton"
+
+
+# ------------------------------------------------------------------------- on a GPU
+
+def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
+    from forge_hf.kernels.dispatch import launch_fused_update
+    from forge_hf.kernels.fused_update import RULE_UPDATES
+    from forge_hf.kernels.wide_launch import launch_wide
+    stats = torch.zeros(2, device=w.device)
+    for _ in range(steps):
+        args = pack_args(rule.prepare(group, state.host), state.host["step"], salt, w.device)
+        if kernel == "wide":
+            launch_wide(x, dy, w, state.kernel_slots(), args, stats, RULE_UPDATES[rule.name], stochastic)
+        else:  # 64 x 64 tiles, as the persistent kernel's blocks
+            launch_fused_update(x, dy, w, state.kernel_slots(), args, stats, rule.name, stochastic,
+                                blocks=(64, 64, 64))
+    torch.cuda.synchronize()
+    return [w] + [s for s in state.kernel_slots() if s is not None], stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the wide kernel is compiled for Hopper")
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("rule_name,hp", RULES)
+@pytest.mark.parametrize("n,k,t", [(256, 384, 100), (384, 256, 515), (128, 128, 1), (256, 128, 2100)])
+def test_same_bits_as_the_triton_kernel(rule_name, hp, n, k, t, stochastic):
+    results = {}
+    for kernel in ("wide", "triton"):
+        x, dy, w, state, rule, group = _tensors(n, k, t, "bf16", "cuda", rule_name, hp)
+        assert wide_unsupported(x, dy, w, state.kernel_slots()) is None
+        results[kernel] = _run(kernel, x, dy, w, state, rule, group, steps=3, stochastic=stochastic)
+    (got, got_stats), (ref, ref_stats) = results["wide"], results["triton"]
+    for a, b in zip(got, ref):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    torch.testing.assert_close(got_stats, ref_stats, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the wide kernel is compiled for Hopper")
+def test_a_block_with_a_non_finite_gradient_is_skipped_and_counted():
+    x, dy, w, state, rule, group = _tensors(256, 256, 70, "bf16", "cuda")
+    dy[5, 70] = float("nan")  # rows 64-127: the second band of 64 x 64 blocks, every column
+    tensors = lambda: [w] + [s for s in state.kernel_slots() if s is not None]  # noqa: E731
+    before = [t.clone() for t in tensors()]
+    _, stats = _run("wide", x, dy, w, state, rule, group, steps=1, stochastic=True)
+    assert stats[1].item() == 4  # four 64 x 64 blocks
+    for a, b in zip(tensors(), before):
+        assert torch.equal(a[64:128], b[64:128]) and not torch.equal(a[:64], b[:64])
+        assert not torch.equal(a[128:], b[128:])
+    assert torch.isfinite(stats[0])
