@@ -87,11 +87,14 @@ def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
     from forge_hf.kernels.dispatch import launch_fused_update
     from forge_hf.kernels.fused_update import RULE_UPDATES, default_config
     from forge_hf.kernels.persistent_launch import launch_persistent
+    from forge_hf.kernels.wide_launch import launch_wide
     stats = torch.zeros(2, device=w.device)
     for _ in range(steps):
         args = pack_args(rule.prepare(group, state.host), state.host["step"], salt, w.device)
         if kernel == "persistent":
             launch_persistent(x, dy, w, state.kernel_slots(), args, stats, RULE_UPDATES[rule.name], stochastic)
+        elif kernel == "wide":  # tests/test_wide.py
+            launch_wide(x, dy, w, state.kernel_slots(), args, stats, RULE_UPDATES[rule.name], stochastic)
         else:
             blocks = default_config(*w.shape, x.shape[0])["blocks"]
             launch_fused_update(x, dy, w, state.kernel_slots(), args, stats, rule.name, stochastic, blocks=blocks)

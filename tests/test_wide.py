@@ -9,9 +9,8 @@ multiples of the chunk."""
 
 import pytest
 import torch
-from test_persistent import RULES, _hopper, _tensors
+from test_persistent import RULES, _hopper, _run, _tensors
 
-from forge_hf.core.launch_args import pack_args
 from forge_hf.kernels.wide_launch import wide_unsupported
 
 BF16 = torch.bfloat16
@@ -43,21 +42,6 @@ def test_cpu_tensors_and_the_environment_switch_keep_the_other_kernels(monkeypat
 
 
 # ------------------------------------------------------------------------- on a GPU
-
-def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
-    from forge_hf.kernels.dispatch import launch_fused_update
-    from forge_hf.kernels.fused_update import RULE_UPDATES
-    from forge_hf.kernels.wide_launch import launch_wide
-    stats = torch.zeros(2, device=w.device)
-    for _ in range(steps):
-        args = pack_args(rule.prepare(group, state.host), state.host["step"], salt, w.device)
-        if kernel == "wide":
-            launch_wide(x, dy, w, state.kernel_slots(), args, stats, RULE_UPDATES[rule.name], stochastic)
-        else:  # 64 x 64 tiles, as the persistent kernel's blocks
-            launch_fused_update(x, dy, w, state.kernel_slots(), args, stats, rule.name, stochastic,
-                                blocks=(64, 64, 64))
-    torch.cuda.synchronize()
-    return [w] + [s for s in state.kernel_slots() if s is not None], stats
 
 
 @pytest.mark.gpu

@@ -59,18 +59,20 @@ def layout_unsupported(x, dy, weight, slots) -> str | None:
     return weight_unsupported(weight, slots) or tokens_unsupported(x, dy)
 
 
-def weight_unsupported(weight, slots) -> str | None:
-    """Why a weight and its state slots do not suit the kernel (None: they do)."""
+def weight_unsupported(weight, slots, multiple: int = BLOCK_SIZE, kinds: tuple = KINDS,
+                       kind_names: str = "bf16, int8, al8") -> str | None:
+    """Why a weight and its state slots do not suit the kernel (None: they do); ``multiple``,
+    ``kinds`` (named ``kind_names``): the block size and state storages of a kernel."""
     if weight.dtype != torch.bfloat16:
         return "the weight must be bf16"
     n, k = weight.shape
-    if n % BLOCK_SIZE or k % BLOCK_SIZE:
-        return f"weight shape {tuple(weight.shape)} is not a multiple of {BLOCK_SIZE}"
+    if n % multiple or k % multiple:
+        return f"weight shape {tuple(weight.shape)} is not a multiple of {multiple}"
     if weight.stride() != (k, 1) or not _aligned(weight):
         return "weight is not row-major and 16-byte aligned"
     for slot in slots:
-        if storage_kind(slot) not in KINDS:
-            return "a state slot is neither bf16, int8, al8 nor absent"
+        if storage_kind(slot) not in kinds:
+            return f"a state slot is neither {kind_names} nor absent"
         codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
         if codes is not None and (codes.stride() != weight.stride() or not _aligned(codes)):
             return "a state slot is not laid out as the weight"
@@ -101,13 +103,13 @@ def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, 
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _grid(weight: torch.Tensor) -> tuple[int]:
     n, k = weight.shape
-    return (min(_multiprocessors(weight.device), triton.cdiv((n // BLOCK_SIZE) * (k // BLOCK_SIZE), 2)),)  # two lanes
+    return (min(multiprocessors(weight.device), triton.cdiv((n // BLOCK_SIZE) * (k // BLOCK_SIZE), 2)),)  # two lanes
 
 
 def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0) -> None:

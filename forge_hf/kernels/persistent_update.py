@@ -31,11 +31,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.language.core import _aggregate as aggregate
 
+from .chunk_ring import fill_slot, multiply_slot, tma_load
 from .state_tiles import (
     ABSMAX8,
     AL8,
@@ -51,8 +51,7 @@ from .state_tiles import (
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
 from .tile_step import finite_sumsq, load_step_args
 
-# TMA copies: Triton 3.6's names, renamed async_load / async_store in later releases
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# TMA stores: Triton 3.6's name, renamed async_store in later releases
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 BLOCK_SIZE = 64  # rows, columns and tokens of one block or chunk
@@ -132,7 +131,6 @@ def _ep_copies(p, lane: gl.constexpr, off_n, off_k, IN: gl.constexpr,
 @gluon.jit
 def producer(p, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr,
              S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, ABLATE: gl.constexpr):
-    chunk_bytes: gl.constexpr = 2 * p.x_desc.block_type.nbytes
     ep_bytes: gl.constexpr = p.w_desc.block_type.nbytes + (
         (S0 != NONE) * p.s0_desc.block_type.nbytes + (S1 != NONE) * p.s1_desc.block_type.nbytes
         + (S2 != NONE) * p.s2_desc.block_type.nbytes)
@@ -143,13 +141,10 @@ def producer(p, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr,
         off_n = (block % blocks_n) * BLOCK
         off_k = (block // blocks_n) * BLOCK
         if ABLATE != EPILOGUE_ONLY:
-            for t0 in range(0, T, BLOCK):  # TMA fills tokens past T with zeros
+            for t0 in range(0, T, BLOCK):
                 slot = lane * NUM_BUF + i % NUM_BUF
-                mbarrier.wait(p.empty.index(slot), (i // NUM_BUF & 1) ^ 1)
-                bar = p.ready.index(slot)
-                mbarrier.expect(bar, chunk_bytes)
-                tma_load(p.x_desc, [t0, off_k], bar, p.x_bufs.index(slot))
-                tma_load(p.dy_desc, [t0, off_n], bar, p.dy_bufs.index(slot))
+                fill_slot(p.x_desc, p.dy_desc, p.x_bufs.index(slot), p.dy_bufs.index(slot), p.empty.index(slot),
+                          p.ready.index(slot), i // NUM_BUF & 1, t0, off_n, off_k)
                 i += 1
         if ABLATE != MAINLOOP_ONLY:
             # the epilogue's blocks, once the lane's previous epilogue has written its own out
@@ -274,12 +269,8 @@ def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.c
         if ABLATE != EPILOGUE_ONLY:
             for t0 in range(0, T, BLOCK):
                 slot = lane * NUM_BUF + i % NUM_BUF
-                mbarrier.wait(p.ready.index(slot), i // NUM_BUF & 1)
-                acc = warpgroup_mma(p.dy_bufs.index(slot).permute((1, 0)), p.x_bufs.index(slot), acc,
-                                    is_async=True)
-                # this chunk's MMA stays in flight; the previous one is done, its slot free
-                acc = warpgroup_mma_wait(1, deps=[acc])
-                mbarrier.arrive(p.empty.index(prev), count=1, pred=t0 > 0)
+                acc = multiply_slot(acc, p.x_bufs.index(slot), p.dy_bufs.index(slot), p.ready.index(slot),
+                                    i // NUM_BUF & 1, p.empty.index(prev), t0 > 0)
                 prev = slot
                 i += 1
             acc = warpgroup_mma_wait(0, deps=[acc])

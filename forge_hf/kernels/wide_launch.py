@@ -11,7 +11,7 @@ import triton
 from ..core import codecs
 from ..core.codecs import storage_kind
 from .compiled import launch_compiled
-from .persistent_launch import _aligned, device_unsupported, tokens_unsupported
+from .persistent_launch import device_unsupported, multiprocessors, tokens_unsupported, weight_unsupported
 from .wide_update import CHUNK_SIZE, TILE_SIZE, wide_update_kernel
 
 NUM_BUF = 4  # ring slots of 32 KB; with the 64 KB staging buffer, 192 of the 227 KB
@@ -21,23 +21,8 @@ KINDS = (codecs.NONE, codecs.BF16)
 
 def wide_unsupported(x, dy, weight, slots) -> str | None:
     """Why the wide kernel cannot take this step (None: it can)."""
-    return device_unsupported(weight.device) or weight_unsupported(weight, slots) or tokens_unsupported(x, dy)
-
-
-def weight_unsupported(weight, slots) -> str | None:
-    if weight.dtype != torch.bfloat16:
-        return "the weight must be bf16"
-    n, k = weight.shape
-    if n % TILE_SIZE or k % TILE_SIZE:
-        return f"weight shape {tuple(weight.shape)} is not a multiple of {TILE_SIZE}"
-    if weight.stride() != (k, 1) or not _aligned(weight):
-        return "weight is not row-major and 16-byte aligned"
-    for slot in slots:
-        if storage_kind(slot) not in KINDS:
-            return "a state slot is neither bf16 nor absent"
-        if slot is not None and (slot.stride() != weight.stride() or not _aligned(slot)):
-            return "a state slot is not laid out as the weight"
-    return None
+    return (device_unsupported(weight.device) or weight_unsupported(weight, slots, TILE_SIZE, KINDS, "bf16")
+            or tokens_unsupported(x, dy))
 
 
 @functools.cache
@@ -66,15 +51,10 @@ def wide_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stocha
     return positional, constexprs, options
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_wide(x, dy, weight, slots, args, stats, rule_update, stochastic) -> None:
     """One fused step of one layer by the wide kernel."""
     positional, constexprs, options = wide_launch_arguments(x, dy, weight, slots, args, stats, rule_update,
                                                             stochastic)
     n, k = weight.shape
-    grid = (min(_multiprocessors(weight.device), triton.cdiv(n, TILE_SIZE) * triton.cdiv(k, TILE_SIZE)),)
+    grid = (min(multiprocessors(weight.device), triton.cdiv(n, TILE_SIZE) * triton.cdiv(k, TILE_SIZE)),)
     launch_compiled(wide_update_kernel, grid, positional, constexprs, options)

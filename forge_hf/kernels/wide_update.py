@@ -22,15 +22,15 @@ absent states in its row-major layout, N and K multiples of 128, bf16 x and dy
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
+from .chunk_ring import fill_slot, multiply_slot
 from .state_tiles import NONE
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
 from .tile_step import finite_sumsq, load_step_args
 
-# Triton 3.6's names, renamed in later releases
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# Triton 3.6's name, renamed in later releases
 partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the calling partition's warps
 
 TILE_SIZE = 128  # rows and columns of a tile
@@ -86,19 +86,15 @@ def _tiles(N, K):
 
 @gluon.jit
 def producer(p, N, K, T, NUM_BUF: gl.constexpr):
-    chunk_bytes: gl.constexpr = p.x_desc.block_type.nbytes + p.dy_desc.block_type.nbytes
     tiles_n, first, num_tiles, stride = _tiles(N, K)
     i = 0  # chunks issued
     for tile in range(first, num_tiles, stride):
         off_n = (tile % tiles_n) * TILE
         off_k = (tile // tiles_n) * TILE
-        for t0 in range(0, T, CHUNK):  # TMA fills tokens past T with zeros
+        for t0 in range(0, T, CHUNK):
             slot = i % NUM_BUF
-            mbarrier.wait(p.empty.index(slot), (i // NUM_BUF & 1) ^ 1)
-            bar = p.ready.index(slot)
-            mbarrier.expect(bar, chunk_bytes)
-            tma_load(p.x_desc, [t0, off_k], bar, p.x_bufs.index(slot))
-            tma_load(p.dy_desc, [t0, off_n], bar, p.dy_bufs.index(slot))
+            fill_slot(p.x_desc, p.dy_desc, p.x_bufs.index(slot), p.dy_bufs.index(slot), p.empty.index(slot),
+                      p.ready.index(slot), i // NUM_BUF & 1, t0, off_n, off_k)
             i += 1
 
 
@@ -115,11 +111,8 @@ def mma(p, N, K, T, NUM_BUF: gl.constexpr):
         acc = gl.zeros((TILE, TILE), gl.float32, layout)
         for t0 in range(0, T, CHUNK):
             slot = i % NUM_BUF
-            mbarrier.wait(p.ready.index(slot), i // NUM_BUF & 1)
-            acc = warpgroup_mma(p.dy_bufs.index(slot).permute((1, 0)), p.x_bufs.index(slot), acc, is_async=True)
-            # this chunk's MMA stays in flight; the previous one is done, its slot free
-            acc = warpgroup_mma_wait(1, deps=[acc])
-            mbarrier.arrive(p.empty.index(prev), count=1, pred=t0 > 0)
+            acc = multiply_slot(acc, p.x_bufs.index(slot), p.dy_bufs.index(slot), p.ready.index(slot),
+                                i // NUM_BUF & 1, p.empty.index(prev), t0 > 0)
             prev = slot
             i += 1
         acc = warpgroup_mma_wait(0, deps=[acc])
