@@ -1,11 +1,12 @@
 """Gluon (Hopper): the fused step of one linear layer at thousands of tokens, on 128 x 128
 tiles whose epilogue runs beside the next tile's GEMM.
 
-At 2048 tokens and more the weight gradient's GEMM is most of the step, and a 64 x 64 tile
-(persistent_update.py) reads two 64-wide chunks from L2 for every 64 x 64 x 64 products: it
-is bound by L2's bandwidth at well under cuBLAS's rate. A 128 x 128 tile reads half as much
-per product. Its fp32 accumulator (128 registers a thread of one warpgroup) leaves no room
-for the rule's operands, so the work is split three ways in one program per multiprocessor:
+At 2048 tokens and more the weight gradient's GEMM is most of the step, and there the
+persistent kernel (persistent_update.py) runs at under half cuBLAS's rate: its 64 x 64 tiles
+read two 64-wide chunks for every 64 x 64 x 64 products, twice what a 128 x 128 tile reads
+per product. A 128 x 128 tile's fp32 accumulator (128 registers a thread of one warpgroup)
+leaves no room for the rule's operands, so the work is split three ways in one program per
+multiprocessor:
 
 * a producer warp: TMA copies of the 64-token chunks of dy and x into a ring;
 * an MMA warpgroup: the tile's gradient by wgmma over the chunks, then the accumulator
