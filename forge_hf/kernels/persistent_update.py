@@ -31,11 +31,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma_wait,
 )
 from triton.language.core import _aggregate as aggregate
 
-from .chunk_ring import fill_slot, multiply_slot, tma_load
+from .chunk_ring import fill_chunks, multiply_chunks, tma_load
 from .state_tiles import (
     ABSMAX8,
     AL8,
@@ -141,11 +140,8 @@ def producer(p, N, K, T, lane: gl.constexpr, NUM_BUF: gl.constexpr,
         off_n = (block % blocks_n) * BLOCK
         off_k = (block // blocks_n) * BLOCK
         if ABLATE != EPILOGUE_ONLY:
-            for t0 in range(0, T, BLOCK):
-                slot = lane * NUM_BUF + i % NUM_BUF
-                fill_slot(p.x_desc, p.dy_desc, p.x_bufs.index(slot), p.dy_bufs.index(slot), p.empty.index(slot),
-                          p.ready.index(slot), i // NUM_BUF & 1, t0, off_n, off_k)
-                i += 1
+            i = fill_chunks(p.x_desc, p.dy_desc, p.x_bufs, p.dy_bufs, p.empty, p.ready, T, off_n, off_k, i,
+                            lane * NUM_BUF, NUM_BUF)
         if ABLATE != MAINLOOP_ONLY:
             # the epilogue's blocks, once the lane's previous epilogue has written its own out
             mbarrier.wait(p.ep_empty.index(lane), (j & 1) ^ 1)
@@ -258,7 +254,6 @@ def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.c
     bad = gl.to_tensor(0.0)
     i = 0  # chunks consumed
     j = 0  # blocks done
-    prev = 0
     for block in range(first, num_blocks, stride):
         off_n = (block % blocks_n) * BLOCK
         off_k = (block // blocks_n) * BLOCK
@@ -267,14 +262,7 @@ def consumer(p, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K, T, lane: gl.c
         scales = (_scales(m0_ptr, off_n, off_k, N, mma, S0), _scales(m1_ptr, off_n, off_k, N, mma, S1),
                   _scales(m2_ptr, off_n, off_k, N, mma, S2))
         if ABLATE != EPILOGUE_ONLY:
-            for t0 in range(0, T, BLOCK):
-                slot = lane * NUM_BUF + i % NUM_BUF
-                acc = multiply_slot(acc, p.x_bufs.index(slot), p.dy_bufs.index(slot), p.ready.index(slot),
-                                    i // NUM_BUF & 1, p.empty.index(prev), t0 > 0)
-                prev = slot
-                i += 1
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(p.empty.index(prev), count=1)
+            acc, i = multiply_chunks(acc, p.x_bufs, p.dy_bufs, p.empty, p.ready, T, i, lane * NUM_BUF, NUM_BUF)
         if ABLATE == MAINLOOP_ONLY:  # keep the gradient alive, skip the rule
             total += gl.sum(gl.sum(acc, axis=1), axis=0)
         else:

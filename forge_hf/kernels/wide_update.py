@@ -23,10 +23,10 @@ absent states in its row-major layout, N and K multiples of 128, bf16 x and dy
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-from .chunk_ring import fill_slot, multiply_slot
+from .chunk_ring import fill_chunks, multiply_chunks
 from .state_tiles import NONE
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
 from .tile_step import finite_sumsq, load_step_args
@@ -38,7 +38,6 @@ TILE_SIZE = 128  # rows and columns of a tile
 CHUNK_SIZE = 64  # tokens of a ring slot
 SUB_SIZE = 64  # rows and columns of an epilogue block (the unit of non-finite skipping)
 TILE = gl.constexpr(TILE_SIZE)
-CHUNK = gl.constexpr(CHUNK_SIZE)
 SUB = gl.constexpr(SUB_SIZE)
 
 
@@ -92,11 +91,7 @@ def producer(p, N, K, T, NUM_BUF: gl.constexpr):
     for tile in range(first, num_tiles, stride):
         off_n = (tile % tiles_n) * TILE
         off_k = (tile // tiles_n) * TILE
-        for t0 in range(0, T, CHUNK):
-            slot = i % NUM_BUF
-            fill_slot(p.x_desc, p.dy_desc, p.x_bufs.index(slot), p.dy_bufs.index(slot), p.empty.index(slot),
-                      p.ready.index(slot), i // NUM_BUF & 1, t0, off_n, off_k)
-            i += 1
+        i = fill_chunks(p.x_desc, p.dy_desc, p.x_bufs, p.dy_bufs, p.empty, p.ready, T, off_n, off_k, i, 0, NUM_BUF)
 
 
 @gluon.jit
@@ -107,17 +102,9 @@ def mma(p, N, K, T, NUM_BUF: gl.constexpr):
     tiles_n, first, num_tiles, stride = _tiles(N, K)
     i = 0  # chunks consumed
     j = 0  # tiles staged
-    prev = 0
     for _tile in range(first, num_tiles, stride):
         acc = gl.zeros((TILE, TILE), gl.float32, layout)
-        for t0 in range(0, T, CHUNK):
-            slot = i % NUM_BUF
-            acc = multiply_slot(acc, p.x_bufs.index(slot), p.dy_bufs.index(slot), p.ready.index(slot),
-                                i // NUM_BUF & 1, p.empty.index(prev), t0 > 0)
-            prev = slot
-            i += 1
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(p.empty.index(prev), count=1)
+        acc, i = multiply_chunks(acc, p.x_bufs, p.dy_bufs, p.empty, p.ready, T, i, 0, NUM_BUF)
         mbarrier.wait(p.acc_empty.index(0), (j & 1) ^ 1)  # the epilogue has read the last tile
         p.acc_buf.store(acc)
         partition_barrier()  # every thread's part is stored before the one arrival
