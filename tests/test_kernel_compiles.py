@@ -83,13 +83,37 @@ PERSISTENT_RULES = {"adagrad": {}, "adamw": {}, "lion": {}, "nadam": {}, "radam"
                     "rmsprop": dict(momentum=0.9, centered=True), "sgd": {}, "sgd-momentum": dict(momentum=0.9)}
 
 
+SHARED_LIMIT = 232448  # a Hopper multiprocessor gives a program at most 227 KB of shared memory
+
+
+def _compile_gluon(kernel, positional: list, constexprs: dict, options: dict):
+    """Gluon ``kernel`` compiled for sm_90 as a launch with these arguments compiles it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = kernel.arg_names
+    sig = _signature(names, positional)
+    sig.update({k: "constexpr" for k in constexprs})
+    source = GluonASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _problems(compiled, spills: bool = False) -> str:
+    """"ok", or what is wrong with a compiled Gluon kernel: no cubin, more shared memory than
+    a multiprocessor has, and with ``spills`` registers spilled to the stack."""
+    if not compiled.asm.get("cubin"):
+        return "no cubin"
+    problems = [f"shared memory {compiled.metadata.shared}"] * (compiled.metadata.shared > SHARED_LIMIT)
+    stack = _stack_bytes(compiled.asm["cubin"]) if spills else 0
+    problems += [f"{stack} bytes of registers spilled to the stack"] * bool(stack)
+    return "; ".join(problems) or "ok"
+
+
 def compile_persistent() -> dict:
     """Run in the child: the persistent Gluon kernel as launch_persistent would launch it,
     bf16, int8 and al8 state, each rule (its own slots), stochastic and nearest rounding."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
@@ -98,7 +122,6 @@ def compile_persistent() -> dict:
     from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_launch_arguments
     from forge_hf.kernels.persistent_update import persistent_update_kernel
 
-    names = persistent_update_kernel.arg_names
     results = {}
     for key, hp in PERSISTENT_RULES.items():
         for precision, stochastic in PERSISTENT_VARIANTS:
@@ -112,17 +135,9 @@ def compile_persistent() -> dict:
                 x, dy = torch.zeros(100, 192, dtype=torch.bfloat16), torch.zeros(100, 128, dtype=torch.bfloat16)
                 assert layout_unsupported(x, dy, weight, slots) is None
                 args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
-                positional, constexprs, options = persistent_launch_arguments(
-                    x, dy, weight, slots, args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic)
-                sig = _signature(names, positional)
-                sig.update({k: "constexpr" for k in constexprs})
-                source = GluonASTSource(fn=persistent_update_kernel, signature=sig,
-                                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
-                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-                # a Hopper multiprocessor gives a program at most 227 KB of shared memory
-                fits = compiled.metadata.shared <= 232448
-                results[f"{key}/{precision}/{stochastic}"] = "ok" if compiled.asm.get("cubin") and fits else \
-                    f"shared memory {compiled.metadata.shared}"
+                compiled = _compile_gluon(persistent_update_kernel, *persistent_launch_arguments(
+                    x, dy, weight, slots, args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic))
+                results[f"{key}/{precision}/{stochastic}"] = _problems(compiled)
             except Exception as e:
                 results[f"{key}/{precision}/{stochastic}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
     return results
@@ -151,9 +166,6 @@ def compile_wide() -> dict:
     """Run in the child: the wide Gluon kernel as launch_wide would launch it, bf16 state,
     each rule, stochastic rounding (and AdamW's nearest); no registers spilled."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
@@ -162,7 +174,6 @@ def compile_wide() -> dict:
     from forge_hf.kernels.wide_launch import wide_launch_arguments
     from forge_hf.kernels.wide_update import wide_update_kernel
 
-    names = wide_update_kernel.arg_names
     results = {}
     for key, stochastic in WIDE_VARIANTS:
         try:
@@ -173,17 +184,9 @@ def compile_wide() -> dict:
             state.allocate(weight, group)
             x, dy = torch.zeros(100, 384, dtype=torch.bfloat16), torch.zeros(100, 256, dtype=torch.bfloat16)
             args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
-            positional, constexprs, options = wide_launch_arguments(
-                x, dy, weight, state.kernel_slots(), args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic)
-            sig = _signature(names, positional)
-            sig.update({k: "constexpr" for k in constexprs})
-            source = GluonASTSource(fn=wide_update_kernel, signature=sig,
-                                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-            spills = _stack_bytes(compiled.asm["cubin"])
-            problems = [f"shared memory {compiled.metadata.shared}"] * (compiled.metadata.shared > 232448)
-            problems += [f"{spills} bytes of registers spilled to the stack"] * bool(spills)
-            results[f"{key}/{stochastic}"] = "; ".join(problems) or "ok"
+            compiled = _compile_gluon(wide_update_kernel, *wide_launch_arguments(
+                x, dy, weight, state.kernel_slots(), args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic))
+            results[f"{key}/{stochastic}"] = _problems(compiled, spills=True)
         except Exception as e:
             results[f"{key}/{stochastic}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
     return results
