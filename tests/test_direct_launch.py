@@ -2,7 +2,8 @@
 step the weights with the same bits as Triton's own launch path, and give way to it while a
 launch hook (a profiler) is registered. On the GPU: the persistent kernel, whose weight and
 state descriptors are encoded once and whose tokens' are kept by address, over steps whose
-tokens move, come back and change their count; and the Triton kernel of a bound launch."""
+tokens move, come back and change their count (and the wide kernel the same way); and the
+Triton kernel of a bound launch."""
 
 import pytest
 import torch
@@ -89,27 +90,29 @@ def _same(a: list, b: list) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_the_persistent_kernel_launched_directly_gives_tritons_bits(precision):
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernels are compiled for Hopper")
+@pytest.mark.parametrize("kernel,precision", [("persistent", "bf16"), ("persistent", "int8"), ("wide", "bf16")])
+def test_a_gluon_kernel_launched_directly_gives_tritons_bits(kernel, precision):
     from forge_hf.kernels.fused_update import RULE_UPDATES
     from forge_hf.kernels.persistent_launch import PersistentLaunch
+    from forge_hf.kernels.wide_launch import WideLaunch
 
+    launch_class, k = (PersistentLaunch, 192) if kernel == "persistent" else (WideLaunch, 256)
     g = torch.Generator(device="cuda").manual_seed(3)
     # tokens at two places taken in turn, then a new count at a new place, then the first again
-    places = [torch.empty(t, k, device="cuda", dtype=BF16) for t, k in ((100, 192), (100, 128), (100, 192),
-                                                                          (100, 128), (515, 192), (515, 128))]
+    places = [torch.empty(t, f, device="cuda", dtype=BF16) for t, f in ((100, k), (100, 128), (100, k),
+                                                                          (100, 128), (515, k), (515, 128))]
     order = [(0, 1), (2, 3), (0, 1), (4, 5), (0, 1)]
     rule = get_rule("adamw")
     results = []
     for hooked in (False, True):
-        w = (torch.randn(128, 192, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+        w = (torch.randn(128, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
              * 0.02).to(BF16)
         group = make_group(rule, {})
         state = ForgeState(rule, precision, transposed=False)
         state.allocate(w, group)
         stats = torch.zeros(2, device="cuda")
-        launch = PersistentLaunch(w, state.kernel_slots(), stats, RULE_UPDATES["adamw"], True)
+        launch = launch_class(w, state.kernel_slots(), stats, RULE_UPDATES["adamw"], True)
         g.manual_seed(3)
         with _Hooked() if hooked else _NoHook() as hook:
             for xi, dyi in order:
@@ -130,8 +133,8 @@ def test_the_persistent_kernel_launched_directly_gives_tritons_bits(precision):
         # tokens the kernel cannot take, at a place it took tokens before: nothing launched
         before = [t.clone() for t in _stored(w, state, stats)]
         x = places[0]
-        wide = torch.zeros(100, 200, device="cuda", dtype=BF16)
-        for bad_x in (x.float(), wide[:, 1:193]):  # fp32; a row stride and base off 16 bytes
+        wider = torch.zeros(100, k + 8, device="cuda", dtype=BF16)
+        for bad_x in (x.float(), wider[:, 1:k + 1]):  # fp32; a row stride and base off 16 bytes
             assert launch(bad_x, places[1], args, stats) is False
         assert launch(x, places[1].float(), args, stats) is False
         torch.cuda.synchronize()

@@ -132,23 +132,27 @@ class _Recorder:
 
 
 @interpreter_only
-def test_the_persistent_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monkeypatch):
-    """On a GPU the persistent kernel can run (stood in for on CPU): a bf16 weight whose
-    sides are multiples of 64 goes to it while its tokens suit it, to the Triton kernel
-    when they do not; another weight, or FORGE_HF_KERNEL=triton, never goes to it."""
-    from forge_hf.kernels import fused_update, persistent_launch
+def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monkeypatch):
+    """On a GPU the Gluon kernels can run (stood in for on CPU): a bf16 weight whose sides are
+    multiples of 64 goes to the persistent kernel while its tokens suit it, to the Triton
+    kernel when they do not; from wide_launch.MIN_TOKENS tokens, one with bf16 or no state
+    and sides multiples of 128 goes to the wide kernel; another weight, or FORGE_HF_KERNEL,
+    keeps them off."""
+    from forge_hf.kernels import fused_update, persistent_launch, wide_launch
 
     log = []
     monkeypatch.setattr(fused_update, "INTERPRETER", False)
     monkeypatch.setattr(dispatch, "BoundLaunch", lambda *args, **kwargs: _Recorder("triton", log))
-    class Persistent(_Recorder):  # launches (True) only tokens the kernel takes, as PersistentLaunch
+
+    class Gluon(_Recorder):  # launches (True) only tokens the kernels take, as LayerLaunch
         def __call__(self, x, dy, args, stats):
             taken = persistent_launch.tokens_unsupported(x, dy) is None
             if taken:
                 super().__call__()
             return taken
 
-    monkeypatch.setattr(persistent_launch, "PersistentLaunch", lambda *args: Persistent("persistent", log))
+    monkeypatch.setattr(persistent_launch, "PersistentLaunch", lambda *args: Gluon("persistent", log))
+    monkeypatch.setattr(wide_launch, "WideLaunch", lambda *args: Gluon("wide", log))
     cpu_says = persistent_launch.device_unsupported
 
     def hopper_says(device):  # the device check as on a Hopper GPU: only the environment switch refuses
@@ -156,35 +160,64 @@ def test_the_persistent_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(
         return reason if reason == "FORGE_HF_KERNEL=triton" else None
 
     monkeypatch.setattr(persistent_launch, "device_unsupported", hopper_says)
+    monkeypatch.setattr(wide_launch, "device_unsupported", hopper_says)
 
-    def launches(w, state, x_dtype):
+    def launches(w, state, x_dtype, tokens=64):
         launch = bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
-        x, dy = torch.zeros(64, w.shape[1], dtype=x_dtype), torch.zeros(64, w.shape[0], dtype=x_dtype)
+        x, dy = torch.zeros(tokens, w.shape[1], dtype=x_dtype), torch.zeros(tokens, w.shape[0], dtype=x_dtype)
         launch(x, dy, torch.zeros(15, dtype=torch.int32), torch.zeros(2))
         return log.pop()
 
+    many = wide_launch.MIN_TOKENS
     w, state, *_ = _layer("bf16", 128, 192)
     assert launches(w, state, torch.bfloat16) == "persistent"
     assert launches(w, state, torch.float32) == "triton"  # tokens it cannot read: the same bound launch falls back
+    assert launches(w, state, torch.bfloat16, many) == "persistent"  # 192: not a multiple of 128
+    w, state, *_ = _layer("bf16", 128, 256)
+    assert launches(w, state, torch.bfloat16, many - 1) == "persistent"
+    assert launches(w, state, torch.bfloat16, many) == "wide"
+    assert launches(w, state, torch.float32, many) == "triton"
+    w, state, *_ = _layer("int8", 128, 256)
+    assert launches(w, state, torch.bfloat16, many) == "persistent"  # 8-bit states: not the wide kernel's
     w, state, *_ = _layer("bf16", 70, 130)
     assert launches(w, state, torch.bfloat16) == "triton"  # sides not multiples of 64
     w, state, *_ = _layer("fp32", 128, 192)
     assert launches(w, state, torch.bfloat16) == "triton"  # fp32 states
+    monkeypatch.setenv("FORGE_HF_KERNEL", "persistent")
+    w, state, *_ = _layer("bf16", 128, 256)
+    assert launches(w, state, torch.bfloat16, many) == "persistent"
     monkeypatch.setenv("FORGE_HF_KERNEL", "triton")
-    w, state, *_ = _layer("bf16", 128, 192)
     assert launches(w, state, torch.bfloat16) == "triton"
+    assert launches(w, state, torch.bfloat16, many) == "triton"
     assert log == []
+
+
+def test_an_unknown_kernel_choice_is_refused_naming_the_choices(monkeypatch):
+    w, state, *_ = _layer("bf16", 128, 256)
+    before = w.clone()
+    monkeypatch.setenv("FORGE_HF_KERNEL", "gluon")
+    with pytest.raises(ValueError, match=r"FORGE_HF_KERNEL='gluon': choose one of \['auto', 'persistent', 'triton'\]"):
+        bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
+    assert torch.equal(w, before)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the persistent kernel needs a Hopper GPU")
-def test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits():
+                    reason="the Gluon kernels need a Hopper GPU")
+@pytest.mark.parametrize("kernel,n,k,tokens", [("persistent", 128, 192, 100), ("wide", 256, 384, 1100)])
+def test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits(kernel, n, k, tokens, monkeypatch):
+    from forge_hf.kernels import layer_launch
+    ran = []
+    call = layer_launch.LayerLaunch.__call__
+    monkeypatch.setattr(layer_launch.LayerLaunch, "__call__",
+                        lambda self, *a: ran.append(type(self).__name__) or call(self, *a))
     cuda = torch.device("cuda")
     bound = _steps(lambda w, slots, stats: bind_fused_update("triton", w, slots, stats, "adamw", True), "bf16",
-                   cuda, n=128, k=192, tokens=100)
+                   cuda, steps=3, n=n, k=k, tokens=tokens)
+    assert set(ran) == {"PersistentLaunch" if kernel == "persistent" else "WideLaunch"}
     pinned = _steps(lambda w, slots, stats: lambda x, dy, args, st: launch_fused_update(
-        x, dy, w, slots, args, st, "adamw", True, blocks=(64, 64, 64)), "bf16", cuda, n=128, k=192, tokens=100)
+        x, dy, w, slots, args, st, "adamw", True, blocks=(64, 64, 64)), "bf16", cuda, steps=3, n=n, k=k,
+        tokens=tokens)
     for a, b in zip(bound[:-1], pinned[:-1]):
         assert torch.equal(a, b)
     # the statistics: blocks' squared sums added atomically, in whichever order the blocks finish

@@ -8,8 +8,10 @@ state slots, the launch's argument tensor, stats, rule name, stochastic).
 * ``reference``: kernels/reference.py, PyTorch tile by tile (CPU, and the tests' oracle);
 * ``triton``: the GPU kernels (or Triton's interpreter on CPU tensors under
   TRITON_INTERPRET=1). On a Hopper GPU a layer the persistent kernel takes (bf16 weight,
-  bf16 or int8 states, both dimensions multiples of 64: persistent_launch.py) runs there,
-  being faster with the same bits; every other layer runs fused_update.py's kernel.
+  bf16 or 8-bit states, both dimensions multiples of 64: persistent_launch.py) runs there,
+  being faster with the same bits; from wide_launch.MIN_TOKENS tokens a step, a layer the
+  wide kernel takes (bf16 or no states, multiples of 128: wide_launch.py) runs on that one,
+  also with the same bits; every other layer runs fused_update.py's kernel.
   ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on the latter;
 * ``auto``: ``triton`` where it can run, else ``reference``.
 
@@ -45,6 +47,7 @@ import torch
 from ..core.codecs import QuantisedSlot, storage_kind
 from ..core.launch_args import step_is_captured
 from .bound_launch import BoundLaunch
+from .layer_launch import kernel_choice
 from .reference import reference_fused_update
 from .two_pass import GradientScratch, is_capturing, scratch_for, weight_gradient
 
@@ -110,6 +113,7 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     backend's choice, on the persistent kernel its descriptors, the FORGE_HF_WGRAD mode).
     On ``triton`` each token count's first launch chooses the fused or the two-pass path.
     Rebind when a state is allocated or loaded."""
+    kernel_choice()  # an unknown FORGE_HF_KERNEL is refused on any device
     fused = _bind_fused(backend, weight, slots, stats, rule_name, stochastic)
     mode = wgrad_mode()
     if resolve_backend(backend, weight.device) is not launch_fused_update:
@@ -152,8 +156,9 @@ def _bind_two_pass(weight, slots, rule_name: str, stochastic: bool, scratch: Gra
 
 
 def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: bool) -> Callable:
-    """The fused path's ``launch(x, dy, args, stats)``: the persistent kernel where it
-    applies, else the backend's function."""
+    """The fused path's ``launch(x, dy, args, stats)``: a Gluon kernel where one applies (the
+    wide one from wide_launch.MIN_TOKENS tokens, else the persistent one), else the
+    backend's function."""
     run = resolve_backend(backend, weight.device)
     if run is not launch_fused_update:
         def launch(x, dy, args, stats):
@@ -162,11 +167,17 @@ def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: 
     triton_launch = BoundLaunch(weight, slots, rule_name, stochastic)
     if not _kernels().INTERPRETER:
         from .persistent_launch import PersistentLaunch, device_unsupported, weight_unsupported
+        from .wide_launch import MIN_TOKENS, WideLaunch, wide_layer_unsupported
 
         if device_unsupported(weight.device) is None and weight_unsupported(weight, slots) is None:
-            persistent = PersistentLaunch(weight, slots, stats, _kernels().RULE_UPDATES[rule_name], stochastic)
+            rule_update = _kernels().RULE_UPDATES[rule_name]
+            persistent = PersistentLaunch(weight, slots, stats, rule_update, stochastic)
+            wide = WideLaunch(weight, slots, stats, rule_update, stochastic) \
+                if wide_layer_unsupported(weight, slots) is None else None
 
             def launch(x, dy, args, stats):
+                if wide is not None and x.shape[0] >= MIN_TOKENS and wide(x, dy, args, stats):
+                    return
                 if not persistent(x, dy, args, stats):  # tokens it cannot take
                     triton_launch(x, dy, args, stats)
             return launch
@@ -361,13 +372,18 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
                         **options) -> None:
     """One fused step of one layer on the GPU kernels (arguments as in
     fused_update.fused_launch_arguments). ``blocks`` or launch ``options`` (num_warps,
-    num_stages, maxnreg) pin the Triton kernel with them; without either, the persistent
-    kernel runs where it applies."""
+    num_stages, maxnreg) pin the Triton kernel with them; without either, a Gluon kernel
+    runs where one applies, as in _bind_fused."""
     fused_update = _kernels()
     if blocks is None and not options and not fused_update.INTERPRETER:
         from .persistent_launch import launch_persistent, persistent_unsupported
+        from .wide_launch import MIN_TOKENS, launch_wide, wide_unsupported
+        rule_update = fused_update.RULE_UPDATES[rule_name]
+        if x.shape[0] >= MIN_TOKENS and wide_unsupported(x, dy, weight, slots) is None:
+            launch_wide(x, dy, weight, slots, args, stats, rule_update, stochastic)
+            return
         if persistent_unsupported(x, dy, weight, slots) is None:
-            launch_persistent(x, dy, weight, slots, args, stats, fused_update.RULE_UPDATES[rule_name], stochastic)
+            launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic)
             return
     config = fused_update.default_config(*weight.shape, x.shape[0])
     known = sorted(set(config) - {"blocks"})

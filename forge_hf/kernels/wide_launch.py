@@ -1,5 +1,6 @@
 """When and how the wide Gluon kernel (wide_update.py) runs a layer's step: a bf16 weight with
-bf16 or absent states, both dimensions multiples of 128, on a Hopper GPU."""
+bf16 or absent states, both dimensions multiples of 128, on a Hopper GPU, from MIN_TOKENS
+tokens a step (below, the persistent kernel is the faster)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,28 @@ import triton
 from ..core import codecs
 from ..core.codecs import storage_kind
 from .compiled import launch_compiled
-from .persistent_launch import device_unsupported, multiprocessors, tokens_unsupported, weight_unsupported
+from .layer_launch import KERNEL_ENV, LayerLaunch, kernel_choice, tokens_unsupported
+from .persistent_launch import device_unsupported, multiprocessors, weight_unsupported
 from .wide_update import CHUNK_SIZE, TILE_SIZE, wide_update_kernel
 
 NUM_BUF = 4  # ring slots of 32 KB; with the 64 KB staging buffer, 192 of the 227 KB
 MMA_REGS, PRODUCER_REGS, MAXNREG = 168, 40, 128  # 16 warps: 8 epilogue, 4 MMA, a producer (a warpgroup)
 KINDS = (codecs.NONE, codecs.BF16)
+# From this many tokens a step the fused path takes the wide kernel where it applies
+# (kernel_microbench --kernel wide against the persistent kernel, Llama-3.1-8B's shapes)
+MIN_TOKENS = 1024
 
 
 def wide_unsupported(x, dy, weight, slots) -> str | None:
     """Why the wide kernel cannot take this step (None: it can)."""
-    return (device_unsupported(weight.device) or weight_unsupported(weight, slots, TILE_SIZE, KINDS, "bf16")
-            or tokens_unsupported(x, dy))
+    return wide_layer_unsupported(weight, slots) or tokens_unsupported(x, dy)
+
+
+def wide_layer_unsupported(weight, slots) -> str | None:
+    """Why the wide kernel cannot step this layer, whatever its tokens (None: it can)."""
+    if kernel_choice() == "persistent":
+        return f"{KERNEL_ENV}=persistent"
+    return device_unsupported(weight.device) or weight_unsupported(weight, slots, TILE_SIZE, KINDS, "bf16")
 
 
 @functools.cache
@@ -51,10 +62,25 @@ def wide_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stocha
     return positional, constexprs, options
 
 
+def _grid(weight: torch.Tensor) -> tuple[int]:
+    n, k = weight.shape
+    return (min(multiprocessors(weight.device), triton.cdiv(n, TILE_SIZE) * triton.cdiv(k, TILE_SIZE)),)
+
+
 def launch_wide(x, dy, weight, slots, args, stats, rule_update, stochastic) -> None:
     """One fused step of one layer by the wide kernel."""
     positional, constexprs, options = wide_launch_arguments(x, dy, weight, slots, args, stats, rule_update,
                                                             stochastic)
-    n, k = weight.shape
-    grid = (min(multiprocessors(weight.device), triton.cdiv(n, TILE_SIZE) * triton.cdiv(k, TILE_SIZE)),)
-    launch_compiled(wide_update_kernel, grid, positional, constexprs, options)
+    launch_compiled(wide_update_kernel, _grid(weight), positional, constexprs, options)
+
+
+class WideLaunch(LayerLaunch):
+    """One layer's launches of the wide kernel (layer_launch.py): its weight and states fixed."""
+
+    kernel = wide_update_kernel
+    describe_tokens = staticmethod(chunk_descriptor)
+
+    def __init__(self, weight, slots, stats, rule_update, stochastic):
+        positional, constexprs, options = wide_launch_arguments(
+            weight, weight, weight, slots, stats, stats, rule_update, stochastic)  # tokens and args: per step
+        super().__init__(positional[2:6], 0, constexprs, options, _grid(weight), weight)

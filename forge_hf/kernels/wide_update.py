@@ -78,19 +78,30 @@ def epilogue_layout(rows):
 
 @gluon.jit
 def _tiles(N, K):
-    """(tiles along N, this program's first tile, all tiles, stride between its tiles):
-    consecutive tiles run down the rows, so the programs at work share x's chunks in L2."""
-    tiles_n = N // TILE
-    return tiles_n, gl.program_id(0), tiles_n * (K // TILE), gl.num_programs(0)
+    """(this program's first tile, all tiles, stride between its tiles)."""
+    return gl.program_id(0), (N // TILE) * (K // TILE), gl.num_programs(0)
+
+
+@gluon.jit
+def _tile_origin(tile, N, K):
+    """(first row, first column) of a tile. Consecutive tiles, which the programs at work
+    take together, run across the shorter side: they share the longer side's chunks (dy's
+    for many rows, x's for many columns), read from memory once, while the shorter side's
+    tokens stay in L2. Run down a long side, each band of the other side would read its
+    whole token matrix again (gate/up_proj's 14336 rows, lm_head's 128256)."""
+    if K <= N:
+        across = K // TILE
+        return (tile // across) * TILE, (tile % across) * TILE
+    down = N // TILE
+    return (tile % down) * TILE, (tile // down) * TILE
 
 
 @gluon.jit
 def producer(p, N, K, T, NUM_BUF: gl.constexpr):
-    tiles_n, first, num_tiles, stride = _tiles(N, K)
+    first, num_tiles, stride = _tiles(N, K)
     i = 0  # chunks issued
     for tile in range(first, num_tiles, stride):
-        off_n = (tile % tiles_n) * TILE
-        off_k = (tile // tiles_n) * TILE
+        off_n, off_k = _tile_origin(tile, N, K)
         i = fill_chunks(p.x_desc, p.dy_desc, p.x_bufs, p.dy_bufs, p.empty, p.ready, T, off_n, off_k, i, 0, NUM_BUF)
 
 
@@ -99,7 +110,7 @@ def mma(p, N, K, T, NUM_BUF: gl.constexpr):
     """Each tile's gradient dY[:, rows]^T X[:, cols] in fp32, staged for the epilogue."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, TILE, 16])
-    tiles_n, first, num_tiles, stride = _tiles(N, K)
+    first, num_tiles, stride = _tiles(N, K)
     i = 0  # chunks consumed
     j = 0  # tiles staged
     for _tile in range(first, num_tiles, stride):
@@ -154,13 +165,12 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K,
     ROWS: gl.constexpr = epilogue_rows(S0, S1, S2)
     layout: gl.constexpr = epilogue_layout(ROWS)
     consts, step, salt, row0 = load_step_args(args_ptr)
-    tiles_n, first, num_tiles, stride = _tiles(N, K)
+    first, num_tiles, stride = _tiles(N, K)
     total = gl.to_tensor(0.0)
     bad = gl.to_tensor(0.0)
     j = 0
     for tile in range(first, num_tiles, stride):
-        off_n = (tile % tiles_n) * TILE
-        off_k = (tile // tiles_n) * TILE
+        off_n, off_k = _tile_origin(tile, N, K)
         mbarrier.wait(p.acc_ready.index(0), j & 1)
         for r in gl.static_range(TILE // SUB):
             for c in gl.static_range(TILE // SUB):

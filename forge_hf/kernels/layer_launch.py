@@ -1,0 +1,124 @@
+"""One layer's launches of a Gluon kernel that steps it from its tokens' TMA descriptors.
+
+Both Gluon kernels take (x's descriptor, dy's descriptor, the weight's and states' arguments,
+args, stats, N, K, T). What stays the same from step to step is built once: the weight's and
+states' arguments (their descriptors encoded once where the kernel is launched directly,
+direct_launch.py), the constexprs, the grid. A step then finds or encodes the descriptors of
+its tokens and launches. ``weight`` and ``slots`` must stay where they are (the caller
+rebinds when a state is allocated or loaded).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .compiled import int_spec, launch_compiled, tensor_spec
+from .direct_launch import DirectLauncher
+
+KERNEL_ENV = "FORGE_HF_KERNEL"
+KERNEL_CHOICES = ("auto", "persistent", "triton")
+_TOKEN_PLACES = 16  # token descriptors a layer keeps encoded (a few places a step; eval and train differ)
+
+
+def kernel_choice() -> str:
+    """FORGE_HF_KERNEL: ``auto`` (default, also when empty), ``persistent`` (never the wide
+    kernel) or ``triton`` (only fused_update.py's kernel)."""
+    choice = os.environ.get(KERNEL_ENV) or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: choose one of {list(KERNEL_CHOICES)}")
+    return choice
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """What a TMA descriptor needs: unit last stride, 16-byte base and row stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def tokens_unsupported(x, dy) -> str | None:
+    """Why a step's tokens (x, dy) do not suit the Gluon kernels (None: they do)."""
+    if x.dtype != torch.bfloat16 or dy.dtype != torch.bfloat16:
+        return "x and dy must be bf16"
+    if not (aligned(x) and aligned(dy)):
+        return "x or dy has a non-unit last stride or is not 16-byte aligned"
+    return None
+
+
+class LayerLaunch:
+    """``launch(x, dy, args, stats)``: the step, False (nothing launched) where the kernel
+    cannot take the tokens. A subclass names its ``kernel`` and ``describe_tokens`` (a
+    checked TMA descriptor of a (tokens, features) tensor) and passes the rest."""
+
+    kernel = None
+    describe_tokens = None
+
+    def __init__(self, fixed: list, descriptors: int, constexprs: dict, options: dict, grid: tuple, weight):
+        """``fixed``: the arguments between the tokens' descriptors and ``args``, of which
+        the first ``descriptors`` are TMA descriptors."""
+        self.fixed, self._descriptors = fixed, descriptors
+        self.constexprs, self.options, self.grid = constexprs, options, grid
+        self.n, self.k = weight.shape
+        self._again: dict = {}  # what Triton specialises on that may change: token count, args' alignment
+        self._token_templates: dict = {}  # dtype -> a checked descriptor of tokens, reused for others
+        self._expanded: dict = {}  # token_key -> a token descriptor, encoded (None: not the kernel's)
+
+    def _token_descriptor(self, t: torch.Tensor):
+        """A descriptor of ``t`` (bf16, TMA-aligned: tokens_unsupported checked it) made from
+        a checked one of the same dtype without Triton's checks again: they were most of the
+        host time of building it, twice a launch."""
+        template = self._token_templates.get(t.dtype)
+        if template is None:
+            checked = self.describe_tokens(t)
+            # its fields without the tensor, which the template must not keep alive
+            self._token_templates[t.dtype] = (type(checked), {**checked.__dict__, "base": None})
+            return checked
+        cls, fields = template
+        descriptor = object.__new__(cls)
+        descriptor.__dict__.update(fields, base=t, shape=t.shape, strides=t.stride())
+        return descriptor
+
+    @staticmethod
+    def token_key(position: int, t: torch.Tensor) -> tuple:
+        """What the encoding of ``t``'s descriptor at kernel argument ``position`` depends on,
+        and all that tokens_unsupported reads."""
+        return (position, t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+    def _expanded_tokens(self, direct, position: int, t: torch.Tensor) -> list | None:
+        """``t``'s descriptor as the C launcher takes it (None: the kernel cannot take ``t``),
+        encoded once for each place the tensor is at (token_key): an eager step's tokens come
+        back to the same addresses step after step."""
+        key = self.token_key(position, t)
+        expanded = self._expanded.get(key, False)
+        if expanded is False:
+            if len(self._expanded) >= _TOKEN_PLACES:
+                self._expanded.clear()
+            expanded = None if tokens_unsupported(t, t) else direct.expand(position, self._token_descriptor(t))
+            self._expanded[key] = expanded
+        return expanded
+
+    def __call__(self, x, dy, args, stats) -> bool:
+        t = x.shape[0]
+        spec = (int_spec(t), tensor_spec(args), tensor_spec(stats))
+        again = self._again.get(spec)
+        if again is not None and again[1] is not None and not again[0].hooked():
+            direct, fixed = again
+            x_desc, dy_desc = self._expanded_tokens(direct, 0, x), self._expanded_tokens(direct, 1, dy)
+            if x_desc is None or dy_desc is None:
+                return False
+            direct.launch_expanded(self.grid, [*x_desc, *dy_desc, *fixed, args, stats, self.n, self.k, t])
+            return True
+        if tokens_unsupported(x, dy):
+            return False
+        positional = [self._token_descriptor(x), self._token_descriptor(dy), *self.fixed, args, stats,
+                      self.n, self.k, t]
+        if again is not None:
+            again[0](self.grid, positional)
+            return True
+        launch = launch_compiled(self.kernel, self.grid, positional, self.constexprs, self.options)
+        fixed = None
+        if isinstance(launch, DirectLauncher):  # the weight's and states' descriptors encoded once
+            descriptors, rest = self.fixed[:self._descriptors], self.fixed[self._descriptors:]
+            fixed = [a for i, d in enumerate(descriptors) for a in launch.expand(2 + i, d)] + list(rest)
+        self._again[spec] = (launch, fixed)
+        return True
