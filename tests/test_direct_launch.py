@@ -91,7 +91,8 @@ def _same(a: list, b: list) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernels are compiled for Hopper")
-@pytest.mark.parametrize("kernel,precision", [("persistent", "bf16"), ("persistent", "int8"), ("wide", "bf16")])
+@pytest.mark.parametrize("kernel,precision", [("persistent", "bf16"), ("persistent", "int8"), ("wide", "bf16"),
+                                              ("wide", "al8")])
 def test_a_gluon_kernel_launched_directly_gives_tritons_bits(kernel, precision):
     from forge_hf.kernels.fused_update import RULE_UPDATES
     from forge_hf.kernels.persistent_launch import PersistentLaunch

@@ -135,8 +135,8 @@ class _Recorder:
 def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monkeypatch):
     """On a GPU the Gluon kernels can run (stood in for on CPU): a bf16 weight whose sides are
     multiples of 64 goes to the persistent kernel while its tokens suit it, to the Triton
-    kernel when they do not; from wide_launch.MIN_TOKENS tokens, one with bf16 or no state
-    and sides multiples of 128 goes to the wide kernel; another weight, or FORGE_HF_KERNEL,
+    kernel when they do not; from wide_launch.MIN_TOKENS tokens, one whose sides are multiples
+    of 128 goes to the wide kernel; another weight, or FORGE_HF_KERNEL,
     keeps them off."""
     from forge_hf.kernels import fused_update, persistent_launch, wide_launch
 
@@ -177,8 +177,8 @@ def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monk
     assert launches(w, state, torch.bfloat16, many - 1) == "persistent"
     assert launches(w, state, torch.bfloat16, many) == "wide"
     assert launches(w, state, torch.float32, many) == "triton"
-    w, state, *_ = _layer("int8", 128, 256)
-    assert launches(w, state, torch.bfloat16, many) == "persistent"  # 8-bit states: not the wide kernel's
+    w, state, *_ = _layer("al8", 128, 256)
+    assert launches(w, state, torch.bfloat16, many) == "wide"
     w, state, *_ = _layer("bf16", 70, 130)
     assert launches(w, state, torch.bfloat16) == "triton"  # sides not multiples of 64
     w, state, *_ = _layer("fp32", 128, 192)

@@ -143,7 +143,8 @@ def compile_persistent() -> dict:
     return results
 
 
-WIDE_VARIANTS = [(key, True) for key in PERSISTENT_RULES] + [("adamw", False)]
+WIDE_VARIANTS = [(key, precision, True) for key in PERSISTENT_RULES for precision in ("bf16", "int8", "al8")] + \
+    [("adamw", "bf16", False), ("adamw", "al8", False)]
 
 
 def _stack_bytes(cubin: bytes) -> int:
@@ -163,8 +164,8 @@ def _stack_bytes(cubin: bytes) -> int:
 
 
 def compile_wide() -> dict:
-    """Run in the child: the wide Gluon kernel as launch_wide would launch it, bf16 state,
-    each rule, stochastic rounding (and AdamW's nearest); no registers spilled."""
+    """Run in the child: the wide Gluon kernel as launch_wide would launch it, bf16, int8 and
+    al8 state, each rule, stochastic rounding (and AdamW's nearest); no registers spilled."""
     import torch
 
     from forge_hf.core.launch_args import pack_args
@@ -175,20 +176,21 @@ def compile_wide() -> dict:
     from forge_hf.kernels.wide_update import wide_update_kernel
 
     results = {}
-    for key, stochastic in WIDE_VARIANTS:
+    for key, precision, stochastic in WIDE_VARIANTS:
+        name = f"{key}/{precision}/{stochastic}"
         try:
             rule = get_rule(key.split("-")[0])
             group = make_group(rule, PERSISTENT_RULES[key])
             weight = torch.zeros(256, 384, dtype=torch.bfloat16)
-            state = ForgeState(rule, "bf16", transposed=False)
+            state = ForgeState(rule, precision, transposed=False)
             state.allocate(weight, group)
             x, dy = torch.zeros(100, 384, dtype=torch.bfloat16), torch.zeros(100, 256, dtype=torch.bfloat16)
             args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
             compiled = _compile_gluon(wide_update_kernel, *wide_launch_arguments(
                 x, dy, weight, state.kernel_slots(), args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic))
-            results[f"{key}/{stochastic}"] = _problems(compiled, spills=True)
+            results[name] = _problems(compiled, spills=True)
         except Exception as e:
-            results[f"{key}/{stochastic}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            results[name] = f"{type(e).__name__}: {str(e)[-1500:]}"
     return results
 
 
@@ -229,6 +231,6 @@ def compiled_wide():
     return _in_child("compile_wide")
 
 
-@pytest.mark.parametrize("variant", [f"{key}/{stochastic}" for key, stochastic in WIDE_VARIANTS])
+@pytest.mark.parametrize("variant", ["/".join(map(str, variant)) for variant in WIDE_VARIANTS])
 def test_wide_kernel_compiles_for_sm90(compiled_wide, variant):
     assert compiled_wide[variant] == "ok", compiled_wide[variant]

@@ -10,7 +10,7 @@ state slots, the launch's argument tensor, stats, rule name, stochastic).
   TRITON_INTERPRET=1). On a Hopper GPU a layer the persistent kernel takes (bf16 weight,
   bf16 or 8-bit states, both dimensions multiples of 64: persistent_launch.py) runs there,
   being faster with the same bits; from wide_launch.MIN_TOKENS tokens a step, a layer the
-  wide kernel takes (bf16 or no states, multiples of 128: wide_launch.py) runs on that one,
+  wide kernel takes (the same states, sides multiples of 128: wide_launch.py) runs on that one,
   also with the same bits; every other layer runs fused_update.py's kernel.
   ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on the latter;
 * ``auto``: ``triton`` where it can run, else ``reference``.

@@ -1,5 +1,5 @@
 """When and how the wide Gluon kernel (wide_update.py) runs a layer's step: a bf16 weight with
-bf16 or absent states, both dimensions multiples of 128, on a Hopper GPU, from MIN_TOKENS
+bf16, 8-bit or absent states, both dimensions multiples of 128, on a Hopper GPU, from MIN_TOKENS
 tokens a step (below, the persistent kernel is the faster)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import triton
 
 from ..core import codecs
-from ..core.codecs import storage_kind
+from ..core.codecs import QuantisedSlot, storage_kind
 from .compiled import launch_compiled
 from .layer_launch import KERNEL_ENV, LayerLaunch, kernel_choice, tokens_unsupported
 from .persistent_launch import device_unsupported, multiprocessors, weight_unsupported
@@ -18,7 +18,7 @@ from .wide_update import CHUNK_SIZE, TILE_SIZE, wide_update_kernel
 
 NUM_BUF = 4  # ring slots of 32 KB; with the 64 KB staging buffer, 192 of the 227 KB
 MMA_REGS, PRODUCER_REGS, MAXNREG = 168, 40, 128  # 16 warps: 8 epilogue, 4 MMA, a producer (a warpgroup)
-KINDS = (codecs.NONE, codecs.BF16)
+KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)  # fp32 states: not here
 # From this many tokens a step the fused path takes the wide kernel where it applies
 # (kernel_microbench --kernel wide against the persistent kernel, Llama-3.1-8B's shapes)
 MIN_TOKENS = 1024
@@ -33,7 +33,7 @@ def wide_layer_unsupported(weight, slots) -> str | None:
     """Why the wide kernel cannot step this layer, whatever its tokens (None: it can)."""
     if kernel_choice() == "persistent":
         return f"{KERNEL_ENV}=persistent"
-    return device_unsupported(weight.device) or weight_unsupported(weight, slots, TILE_SIZE, KINDS, "bf16")
+    return device_unsupported(weight.device) or weight_unsupported(weight, slots, TILE_SIZE, KINDS, "bf16, int8, al8")
 
 
 @functools.cache
@@ -53,12 +53,15 @@ def wide_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stocha
     as persistent_launch.persistent_launch_arguments'."""
     n, k = weight.shape
     bits = weight.view(torch.int16)
-    stored = [bits if s is None else s.view(torch.int16) for s in slots]
+    # bf16 as bits; 8-bit codes as int8 (al8's uint8 ones too: the kernel only moves their bits); absent: any
+    stored = [bits if s is None else s.codes.view(torch.int8) if isinstance(s, QuantisedSlot)
+              else s.view(torch.int16) for s in slots]
+    metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
     kinds = [storage_kind(s) for s in slots]
     constexprs = dict(RULE_UPDATE=rule_update, S0=kinds[0], S1=kinds[1], S2=kinds[2], STOCHASTIC=stochastic,
                       NUM_BUF=NUM_BUF, MMA_REGS=MMA_REGS, PRODUCER_REGS=PRODUCER_REGS)
     options = dict(num_warps=8, maxnreg=MAXNREG, enable_fp_fusion=False)  # no FMA contraction, as the other kernels
-    positional = [chunk_descriptor(x), chunk_descriptor(dy), bits, *stored, args, stats, n, k, x.shape[0]]
+    positional = [chunk_descriptor(x), chunk_descriptor(dy), bits, *stored, *metas, args, stats, n, k, x.shape[0]]
     return positional, constexprs, options
 
 
@@ -75,7 +78,8 @@ def launch_wide(x, dy, weight, slots, args, stats, rule_update, stochastic) -> N
 
 
 class WideLaunch(LayerLaunch):
-    """One layer's launches of the wide kernel (layer_launch.py): its weight and states fixed."""
+    """One layer's launches of the wide kernel (layer_launch.py): its weight, states and their
+    metadata fixed."""
 
     kernel = wide_update_kernel
     describe_tokens = staticmethod(chunk_descriptor)
@@ -83,4 +87,5 @@ class WideLaunch(LayerLaunch):
     def __init__(self, weight, slots, stats, rule_update, stochastic):
         positional, constexprs, options = wide_launch_arguments(
             weight, weight, weight, slots, stats, stats, rule_update, stochastic)  # tokens and args: per step
-        super().__init__(positional[2:6], 0, constexprs, options, _grid(weight), weight)
+        # the weight, its states and their metadata
+        super().__init__(positional[2:9], 0, constexprs, options, _grid(weight), weight)

@@ -15,9 +15,9 @@ multiprocessor:
   block, the weight and states straight from memory, the rule, the rounding, the stores.
 
 A 64 x 64 block whose squared gradient sum is not finite is not written and is counted,
-as in the other kernels, so both give the same bits. Covers a bf16 weight with bf16 or
-absent states in its row-major layout, N and K multiples of 128, bf16 x and dy
-(wide_launch.py says which).
+as in the other kernels, so all give the same bits. Covers a bf16 weight with bf16, 8-bit
+(int8, al8: each 64-column row of a block is a codec block) or absent states in its
+row-major layout, N and K multiples of 128, bf16 x and dy (wide_launch.py says which).
 """
 # no `from __future__ import annotations`: the aggregate checks its field types at run time
 
@@ -27,7 +27,17 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 from .chunk_ring import fill_chunks, multiply_chunks
-from .state_tiles import NONE
+from .state_tiles import (
+    AL8,
+    BF16,
+    NONE,
+    absmax_biased,
+    absmax_decode,
+    al8_word,
+    int8_code,
+    log_decode,
+    log_encode,
+)
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
 from .tile_step import finite_sumsq, load_step_args
 
@@ -124,7 +134,39 @@ def mma(p, N, K, T, NUM_BUF: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue_rows(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, off_n, off_k, r0: gl.constexpr, c0: gl.constexpr, K, ok,
+def _load_state(s_ptr, m_ptr, offs, meta_offs, KIND: gl.constexpr):
+    """fp32 values of a state's rows (bf16 bits, or 8-bit codes whose codec blocks are the
+    rows, with their metadata words at ``meta_offs``)."""
+    raw = gl.load(s_ptr + offs)
+    if KIND == BF16:
+        value = bf16_bits_to_fp32(raw)
+    elif KIND == AL8:  # the uint8 code, passed as int8
+        meta = gl.load(m_ptr + meta_offs).to(gl.int32, bitcast=True)
+        value = log_decode(raw.to(gl.uint8, bitcast=True).to(gl.int32), meta)
+    else:
+        value = absmax_decode(raw.to(gl.float32), gl.load(m_ptr + meta_offs))
+    return value
+
+
+@gluon.jit
+def _store_state(s_ptr, m_ptr, offs, meta_offs, value, h, slot: gl.constexpr, STOCHASTIC: gl.constexpr,
+                 KIND: gl.constexpr):
+    """Store a state's rows as state_tiles.store_state does: a bf16 slot s takes the hash's
+    slot s + 1, al8 codes state_tiles.al8_word; an 8-bit row's metadata word with it."""
+    if KIND == BF16:
+        gl.store(s_ptr + offs, fp32_to_bf16_bits(value, h, slot + 1, STOCHASTIC))
+    elif KIND == AL8:
+        codes, meta = log_encode(value, True, al8_word(h, STOCHASTIC))  # every element lies inside the weight
+        gl.store(s_ptr + offs, codes.to(gl.int8))  # the uint8 code's bits
+        gl.store(m_ptr + meta_offs, meta.to(gl.float32, bitcast=True))
+    else:
+        biased, scale = absmax_biased(value, True, KIND)
+        gl.store(s_ptr + offs, int8_code(biased))
+        gl.store(m_ptr + meta_offs, scale)
+
+
+@gluon.jit
+def _epilogue_rows(p, w_ptr, s_ptrs, m_ptrs, off_n, off_k, r0: gl.constexpr, c0: gl.constexpr, N, K, ok,
                    consts, row0, salt, step, ROWS: gl.constexpr, layout: gl.constexpr, RULE_UPDATE: gl.constexpr,
                    STOCHASTIC: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
     """The rule on ROWS staged rows from (r0, c0), 64 columns, written where ``ok``."""
@@ -132,16 +174,18 @@ def _epilogue_rows(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, off_n, off_k, r0: gl.conste
     rn = off_n + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     rk = off_k + c0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, layout))
     offs = rn[:, None] * K + rk[None, :]
+    # an 8-bit state's metadata: a word a row's 64 columns (codecs.meta_strides: (column // 64) * N + row)
+    meta_offs = ((off_k + c0) // SUB) * N + rn
     w = bf16_bits_to_fp32(gl.load(w_ptr + offs))
     s0 = gl.zeros_like(g)
     s1 = s0
     s2 = s0
     if S0 != NONE:
-        s0 = bf16_bits_to_fp32(gl.load(s0_ptr + offs))
+        s0 = _load_state(s_ptrs[0], m_ptrs[0], offs, meta_offs, S0)
     if S1 != NONE:
-        s1 = bf16_bits_to_fp32(gl.load(s1_ptr + offs))
+        s1 = _load_state(s_ptrs[1], m_ptrs[1], offs, meta_offs, S1)
     if S2 != NONE:
-        s2 = bf16_bits_to_fp32(gl.load(s2_ptr + offs))
+        s2 = _load_state(s_ptrs[2], m_ptrs[2], offs, meta_offs, S2)
     w, s0, s1, s2 = RULE_UPDATE(w, g, s0, s1, s2, consts[0], consts[1], consts[2], consts[3], consts[4],
                                 consts[5], consts[6], consts[7], consts[8], consts[9], consts[10], consts[11])
     if STOCHASTIC:
@@ -151,15 +195,15 @@ def _epilogue_rows(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, off_n, off_k, r0: gl.conste
     if ok:
         gl.store(w_ptr + offs, fp32_to_bf16_bits(w, h, 0, STOCHASTIC))
         if S0 != NONE:
-            gl.store(s0_ptr + offs, fp32_to_bf16_bits(s0, h, 1, STOCHASTIC))
+            _store_state(s_ptrs[0], m_ptrs[0], offs, meta_offs, s0, h, 0, STOCHASTIC, S0)
         if S1 != NONE:
-            gl.store(s1_ptr + offs, fp32_to_bf16_bits(s1, h, 2, STOCHASTIC))
+            _store_state(s_ptrs[1], m_ptrs[1], offs, meta_offs, s1, h, 1, STOCHASTIC, S1)
         if S2 != NONE:
-            gl.store(s2_ptr + offs, fp32_to_bf16_bits(s2, h, 3, STOCHASTIC))
+            _store_state(s_ptrs[2], m_ptrs[2], offs, meta_offs, s2, h, 2, STOCHASTIC, S2)
 
 
 @gluon.jit
-def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K,
+def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K,
              RULE_UPDATE: gl.constexpr, STOCHASTIC: gl.constexpr,
              S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
     ROWS: gl.constexpr = epilogue_rows(S0, S1, S2)
@@ -177,9 +221,9 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K,
                 # the block's sum decides for all of it; then its rows in parts (registers)
                 sumsq, ok = finite_sumsq(p.acc_buf.slice(r * SUB, SUB, dim=0).slice(c * SUB, SUB, dim=1).load(layout))
                 for part in gl.static_range(SUB // ROWS):
-                    _epilogue_rows(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, off_n, off_k, r * SUB + part * ROWS, c * SUB, K,
-                                   ok, consts, row0, salt, step, ROWS, layout, RULE_UPDATE, STOCHASTIC, S0, S1,
-                                   S2)
+                    _epilogue_rows(p, w_ptr, (s0_ptr, s1_ptr, s2_ptr), (m0_ptr, m1_ptr, m2_ptr), off_n, off_k,
+                                   r * SUB + part * ROWS, c * SUB, N, K, ok, consts, row0, salt, step, ROWS, layout,
+                                   RULE_UPDATE, STOCHASTIC, S0, S1, S2)
                 total += gl.where(ok, sumsq, 0.0)
                 bad += gl.where(ok, 0.0, 1.0)
         partition_barrier()  # every thread has read the staged gradient before the one arrival
@@ -191,7 +235,8 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K,
 
 
 @gluon.jit
-def wide_update_kernel(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K, T,
+def wide_update_kernel(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr,
+                       N, K, T,
                        RULE_UPDATE: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr,
                        STOCHASTIC: gl.constexpr, NUM_BUF: gl.constexpr, MMA_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr):
@@ -213,8 +258,8 @@ def wide_update_kernel(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr,
     p = Wide(x_desc, dy_desc, x_bufs, dy_bufs, acc_buf, empty, ready, acc_empty, acc_ready)
     # the epilogue is the default partition (the kernel's 8 warps); worker partitions take no tensors
     gl.warp_specialize([
-        (epilogue, (p, w_ptr, s0_ptr, s1_ptr, s2_ptr, args_ptr, stats_ptr, N, K, RULE_UPDATE, STOCHASTIC,
-                    S0, S1, S2)),
+        (epilogue, (p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K,
+                    RULE_UPDATE, STOCHASTIC, S0, S1, S2)),
         (mma, (p, N, K, T, NUM_BUF)),
         (producer, (p, N, K, T, NUM_BUF)),
     ], [4, 1], [MMA_REGS, PRODUCER_REGS])
