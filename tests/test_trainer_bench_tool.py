@@ -13,7 +13,9 @@ def trainer_bench():
         yield module
 
 
-def test_an_arm_is_named_by_its_options(trainer_bench):
+def test_an_arm_is_named_by_its_options(trainer_bench, monkeypatch):
+    monkeypatch.delenv("FORGE_HF_KERNEL", raising=False)
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
     label = trainer_bench.arm_label
     assert label("forge", "", False) == "trainer_forge"
     assert label("forge_compile_int8", "lean_loss=true, recompute_swiglu=true", False) == \
@@ -29,6 +31,12 @@ def test_an_arm_is_named_by_its_options(trainer_bench):
     assert label("adamw_fused", "", False, "torch", False) == "trainer_adamw_fused"
     assert label("adamw_fused_compile", "", False, step_sync=False) == "trainer_adamw_fused_compile+no_step_sync"
     assert label("forge", "", False, step_sync=False, non_blocking=True) == "trainer_forge+non_blocking+no_step_sync"
+    # the kernel and weight-gradient switches of the environment name forge arms only
+    monkeypatch.setenv("FORGE_HF_KERNEL", "persistent")
+    monkeypatch.setenv("FORGE_HF_WGRAD", "two_pass")
+    assert label("forge", "lean_loss=true", True, step_sync=False) == \
+        "trainer_forge+liger+lean_loss+kernel_persistent+wgrad_two_pass+no_step_sync"
+    assert label("adamw_fused", "", False) == "trainer_adamw_fused"
 
 
 def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_bench):
