@@ -28,7 +28,6 @@ from triton.language.core import _aggregate as aggregate
 
 from .chunk_ring import fill_chunks, multiply_chunks
 from .state_tiles import (
-    ABSMAX8,
     AL8,
     BF16,
     NONE,
@@ -76,7 +75,7 @@ class Wide:
 def epilogue_rows(S0, S1, S2):
     """Rows of a 64 x 64 block the epilogue's 8 warps take at once: 8 elements a thread, 4
     for a rule with three states (8 would spill registers)."""
-    return 16
+    return 16 if (S0 != NONE) + (S1 != NONE) + (S2 != NONE) == 3 else 32
 
 
 @gluon.constexpr_function
@@ -135,54 +134,17 @@ def mma(p, N, K, T, NUM_BUF: gl.constexpr):
 
 
 @gluon.jit
-def _part_offsets(off_n, off_k, r0: gl.constexpr, c0: gl.constexpr, N, K, ROWS: gl.constexpr,
-                  layout: gl.constexpr):
-    """(rows, columns, element offsets, 8-bit metadata offsets) of ROWS rows from (r0, c0) of a
-    tile, 64 columns: an 8-bit state's metadata is a word a row's 64 columns
-    (codecs.meta_strides: (column // 64) * N + row)."""
-    rn = off_n + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    rk = off_k + c0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, layout))
-    return rn, rk, rn[:, None] * K + rk[None, :], ((off_k + c0) // SUB) * N + rn
-
-
-@gluon.jit
-def _load_raw(s_ptr, m_ptr, offs, meta_offs, KIND: gl.constexpr):
-    """What a state's rows store, undecoded: bf16 bits or 8-bit codes, and an 8-bit row's
-    metadata word (0 for other slots; nothing is read for an absent one)."""
-    if KIND == NONE:
-        raw = 0
-    else:
-        raw = gl.load(s_ptr + offs)
-    if KIND >= ABSMAX8:
-        meta = gl.load(m_ptr + meta_offs)
-    else:
-        meta = 0.0
-    return raw, meta
-
-
-@gluon.jit
-def _load_part(w_ptr, s_ptrs, m_ptrs, off_n, off_k, r0: gl.constexpr, c0: gl.constexpr, N, K,
-               ROWS: gl.constexpr, layout: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
-    """The stored weight and states of a part (_part_offsets), as loaded: issued a part ahead
-    of their use, so the epilogue's loads are in flight while it computes."""
-    rn, rk, offs, meta_offs = _part_offsets(off_n, off_k, r0, c0, N, K, ROWS, layout)
-    r0_, m0 = _load_raw(s_ptrs[0], m_ptrs[0], offs, meta_offs, S0)
-    r1_, m1 = _load_raw(s_ptrs[1], m_ptrs[1], offs, meta_offs, S1)
-    r2_, m2 = _load_raw(s_ptrs[2], m_ptrs[2], offs, meta_offs, S2)
-    return gl.load(w_ptr + offs), r0_, m0, r1_, m1, r2_, m2
-
-
-@gluon.jit
-def _decode_state(raw, meta, like, KIND: gl.constexpr):
-    """fp32 values of what _load_raw read (zeros like ``like`` for an absent slot)."""
-    if KIND == NONE:
-        value = gl.zeros_like(like)
-    elif KIND == BF16:
+def _load_state(s_ptr, m_ptr, offs, meta_offs, KIND: gl.constexpr):
+    """fp32 values of a state's rows (bf16 bits, or 8-bit codes whose codec blocks are the
+    rows, with their metadata words at ``meta_offs``)."""
+    raw = gl.load(s_ptr + offs)
+    if KIND == BF16:
         value = bf16_bits_to_fp32(raw)
     elif KIND == AL8:  # the uint8 code, passed as int8
-        value = log_decode(raw.to(gl.uint8, bitcast=True).to(gl.int32), meta.to(gl.int32, bitcast=True))
+        meta = gl.load(m_ptr + meta_offs).to(gl.int32, bitcast=True)
+        value = log_decode(raw.to(gl.uint8, bitcast=True).to(gl.int32), meta)
     else:
-        value = absmax_decode(raw.to(gl.float32), meta)
+        value = absmax_decode(raw.to(gl.float32), gl.load(m_ptr + meta_offs))
     return value
 
 
@@ -204,17 +166,26 @@ def _store_state(s_ptr, m_ptr, offs, meta_offs, value, h, slot: gl.constexpr, ST
 
 
 @gluon.jit
-def _epilogue_rows(p, loaded, w_ptr, s_ptrs, m_ptrs, off_n, off_k, r0: gl.constexpr, c0: gl.constexpr, N, K, ok,
+def _epilogue_rows(p, w_ptr, s_ptrs, m_ptrs, off_n, off_k, r0: gl.constexpr, c0: gl.constexpr, N, K, ok,
                    consts, row0, salt, step, ROWS: gl.constexpr, layout: gl.constexpr, RULE_UPDATE: gl.constexpr,
                    STOCHASTIC: gl.constexpr, S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
-    """The rule on a part (_part_offsets) whose weight and states _load_part ``loaded``,
-    written where ``ok``."""
+    """The rule on ROWS staged rows from (r0, c0), 64 columns, written where ``ok``."""
     g = p.acc_buf.slice(r0, ROWS, dim=0).slice(c0, SUB, dim=1).load(layout)
-    rn, rk, offs, meta_offs = _part_offsets(off_n, off_k, r0, c0, N, K, ROWS, layout)
-    w = bf16_bits_to_fp32(loaded[0])
-    s0 = _decode_state(loaded[1], loaded[2], g, S0)
-    s1 = _decode_state(loaded[3], loaded[4], g, S1)
-    s2 = _decode_state(loaded[5], loaded[6], g, S2)
+    rn = off_n + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    rk = off_k + c0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, layout))
+    offs = rn[:, None] * K + rk[None, :]
+    # an 8-bit state's metadata: a word a row's 64 columns (codecs.meta_strides: (column // 64) * N + row)
+    meta_offs = ((off_k + c0) // SUB) * N + rn
+    w = bf16_bits_to_fp32(gl.load(w_ptr + offs))
+    s0 = gl.zeros_like(g)
+    s1 = s0
+    s2 = s0
+    if S0 != NONE:
+        s0 = _load_state(s_ptrs[0], m_ptrs[0], offs, meta_offs, S0)
+    if S1 != NONE:
+        s1 = _load_state(s_ptrs[1], m_ptrs[1], offs, meta_offs, S1)
+    if S2 != NONE:
+        s2 = _load_state(s_ptrs[2], m_ptrs[2], offs, meta_offs, S2)
     w, s0, s1, s2 = RULE_UPDATE(w, g, s0, s1, s2, consts[0], consts[1], consts[2], consts[3], consts[4],
                                 consts[5], consts[6], consts[7], consts[8], consts[9], consts[10], consts[11])
     if STOCHASTIC:
@@ -231,20 +202,6 @@ def _epilogue_rows(p, loaded, w_ptr, s_ptrs, m_ptrs, off_n, off_k, r0: gl.conste
             _store_state(s_ptrs[2], m_ptrs[2], offs, meta_offs, s2, h, 2, STOCHASTIC, S2)
 
 
-@gluon.constexpr_function
-def part_row(index, rows):
-    """First row in a tile of its index-th part: the 64 x 64 blocks row by row, each block's
-    parts of ``rows`` rows in turn."""
-    parts = SUB_SIZE // rows
-    return (index // parts // (TILE_SIZE // SUB_SIZE)) * SUB_SIZE + (index % parts) * rows
-
-
-@gluon.constexpr_function
-def part_column(index, rows):
-    """First column in a tile of its index-th part (part_row)."""
-    return (index // (SUB_SIZE // rows) % (TILE_SIZE // SUB_SIZE)) * SUB_SIZE
-
-
 @gluon.jit
 def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K,
              RULE_UPDATE: gl.constexpr, STOCHASTIC: gl.constexpr,
@@ -255,30 +212,20 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr,
     first, num_tiles, stride = _tiles(N, K)
     total = gl.to_tensor(0.0)
     bad = gl.to_tensor(0.0)
-    PARTS: gl.constexpr = SUB // ROWS
-    LAST: gl.constexpr = (TILE // SUB) * (TILE // SUB) * PARTS - 1
-    s_ptrs = (s0_ptr, s1_ptr, s2_ptr)
-    m_ptrs = (m0_ptr, m1_ptr, m2_ptr)
     j = 0
     for tile in range(first, num_tiles, stride):
         off_n, off_k = _tile_origin(tile, N, K)
-        # the first part's weight and states while the gradient is still being formed
-        loaded = _load_part(w_ptr, s_ptrs, m_ptrs, off_n, off_k, 0, 0, N, K, ROWS, layout, S0, S1, S2)
         mbarrier.wait(p.acc_ready.index(0), j & 1)
-        for index in gl.static_range(LAST + 1):
-            if index % PARTS == 0:  # a block's sum decides for all of it
-                block = p.acc_buf.slice(part_row(index, ROWS), SUB, dim=0).slice(part_column(index, ROWS), SUB, dim=1)
-                sumsq, ok = finite_sumsq(block.load(layout))
+        for r in gl.static_range(TILE // SUB):
+            for c in gl.static_range(TILE // SUB):
+                # the block's sum decides for all of it; then its rows in parts (registers)
+                sumsq, ok = finite_sumsq(p.acc_buf.slice(r * SUB, SUB, dim=0).slice(c * SUB, SUB, dim=1).load(layout))
+                for part in gl.static_range(SUB // ROWS):
+                    _epilogue_rows(p, w_ptr, (s0_ptr, s1_ptr, s2_ptr), (m0_ptr, m1_ptr, m2_ptr), off_n, off_k,
+                                   r * SUB + part * ROWS, c * SUB, N, K, ok, consts, row0, salt, step, ROWS, layout,
+                                   RULE_UPDATE, STOCHASTIC, S0, S1, S2)
                 total += gl.where(ok, sumsq, 0.0)
                 bad += gl.where(ok, 0.0, 1.0)
-            if index < LAST:
-                following = _load_part(w_ptr, s_ptrs, m_ptrs, off_n, off_k, part_row(index + 1, ROWS),
-                                       part_column(index + 1, ROWS), N, K, ROWS, layout, S0, S1, S2)
-            _epilogue_rows(p, loaded, w_ptr, s_ptrs, m_ptrs, off_n, off_k, part_row(index, ROWS),
-                           part_column(index, ROWS), N, K, ok, consts, row0, salt, step, ROWS, layout, RULE_UPDATE,
-                           STOCHASTIC, S0, S1, S2)
-            if index < LAST:
-                loaded = following
         partition_barrier()  # every thread has read the staged gradient before the one arrival
         mbarrier.arrive(p.acc_empty.index(0), count=1)
         j += 1
