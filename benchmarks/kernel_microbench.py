@@ -15,7 +15,7 @@ what auto would pick per shape.
     python benchmarks/kernel_microbench.py --kernel triton --configs all   # tile configs, best kept
     python benchmarks/kernel_microbench.py --ablate mainloop_only          # kernel_ablations.py
     python benchmarks/kernel_microbench.py --tokens 2048 --paths fused,two_pass,cublas
-    python benchmarks/kernel_microbench.py --kernel wide --tokens 4096     # 128 x 128 tiles (bf16 state)
+    python benchmarks/kernel_microbench.py --kernel wide --tokens 4096     # 128 x 128 tiles
     ncu --kernel-name regex:update --launch-skip 3 --launch-count 1 --set full -o prof \\
         python benchmarks/kernel_microbench.py --ncu gate_proj/up_proj     # launches only, no timing
 """
@@ -166,7 +166,7 @@ def main():
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
     ap.add_argument("--kernel", default="persistent", choices=["persistent", "wide", "triton"],
                     help="persistent: the Gluon kernel (Hopper; bf16 weight, bf16, int8 or al8 state); "
-                         "wide: its 128 x 128 tiles (bf16 state); triton: fused_update.py's")
+                         "wide: the 128 x 128 Gluon kernel; triton: fused_update.py's")
     ap.add_argument("--configs", default="default",
                     help="triton: 'default' (its own per shape), 'all' (CONFIGS, best kept) "
                          "or 'BN,BK,BT,warps,stages;...'")
