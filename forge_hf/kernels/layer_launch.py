@@ -47,17 +47,24 @@ def tokens_unsupported(x, dy) -> str | None:
 
 class LayerLaunch:
     """``launch(x, dy, args, stats)``: the step, False (nothing launched) where the kernel
-    cannot take the tokens. A subclass names its ``kernel`` and ``describe_tokens`` (a
-    checked TMA descriptor of a (tokens, features) tensor) and passes the rest."""
+    cannot take the tokens. A subclass names its kernel and how it is launched: ``kernel``,
+    ``launch_arguments`` (as persistent_launch.persistent_launch_arguments: positional
+    arguments, constexprs, options, the weight's and states' seven arguments after the
+    tokens' descriptors), ``grid_for`` (the grid for a weight), ``describe_tokens`` (a checked
+    TMA descriptor of a (tokens, features) tensor) and ``fixed_descriptors`` (how many of the
+    seven are TMA descriptors, first)."""
 
     kernel = None
+    launch_arguments = None
+    grid_for = None
     describe_tokens = None
+    fixed_descriptors = 0
 
-    def __init__(self, fixed: list, descriptors: int, constexprs: dict, options: dict, grid: tuple, weight):
-        """``fixed``: the arguments between the tokens' descriptors and ``args``, of which
-        the first ``descriptors`` are TMA descriptors."""
-        self.fixed, self._descriptors = fixed, descriptors
-        self.constexprs, self.options, self.grid = constexprs, options, grid
+    def __init__(self, weight, slots, stats, rule_update, stochastic):
+        positional, self.constexprs, self.options = self.launch_arguments(
+            weight, weight, weight, slots, stats, stats, rule_update, stochastic)  # tokens and args: per step
+        self.fixed = positional[2:9]
+        self.grid = self.grid_for(weight)
         self.n, self.k = weight.shape
         self._again: dict = {}  # what Triton specialises on that may change: token count, args' alignment
         self._token_templates: dict = {}  # dtype -> a checked descriptor of tokens, reused for others
@@ -118,7 +125,7 @@ class LayerLaunch:
         launch = launch_compiled(self.kernel, self.grid, positional, self.constexprs, self.options)
         fixed = None
         if isinstance(launch, DirectLauncher):  # the weight's and states' descriptors encoded once
-            descriptors, rest = self.fixed[:self._descriptors], self.fixed[self._descriptors:]
+            descriptors, rest = self.fixed[:self.fixed_descriptors], self.fixed[self.fixed_descriptors:]
             fixed = [a for i, d in enumerate(descriptors) for a in launch.expand(2 + i, d)] + list(rest)
         self._again[spec] = (launch, fixed)
         return True

@@ -108,10 +108,7 @@ class PersistentLaunch(LayerLaunch):
     states' descriptors and the states' metadata fixed."""
 
     kernel = persistent_update_kernel
+    launch_arguments = staticmethod(persistent_launch_arguments)
+    grid_for = staticmethod(_grid)
     describe_tokens = staticmethod(tensor_descriptor)
-
-    def __init__(self, weight, slots, stats, rule_update, stochastic):
-        positional, constexprs, options = persistent_launch_arguments(
-            weight, weight, weight, slots, stats, stats, rule_update, stochastic)  # tokens and args: per step
-        # the weight's and states' descriptors, the states' metadata
-        super().__init__(positional[2:9], 4, constexprs, options, _grid(weight), weight)
+    fixed_descriptors = 4

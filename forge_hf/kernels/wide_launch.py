@@ -82,10 +82,6 @@ class WideLaunch(LayerLaunch):
     metadata fixed."""
 
     kernel = wide_update_kernel
+    launch_arguments = staticmethod(wide_launch_arguments)
+    grid_for = staticmethod(_grid)
     describe_tokens = staticmethod(chunk_descriptor)
-
-    def __init__(self, weight, slots, stats, rule_update, stochastic):
-        positional, constexprs, options = wide_launch_arguments(
-            weight, weight, weight, slots, stats, stats, rule_update, stochastic)  # tokens and args: per step
-        # the weight, its states and their metadata
-        super().__init__(positional[2:9], 0, constexprs, options, _grid(weight), weight)
