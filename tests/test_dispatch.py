@@ -1,6 +1,6 @@
 """Which code performs a fused step (forge_hf/kernels/dispatch.py): the backend names and
 their errors, a bound launch giving what the backend gives when called directly, and the
-choice between the persistent Gluon kernel and the Triton kernel."""
+choice between the Gluon kernels (persistent, wide) and the Triton kernel."""
 
 import os
 import subprocess
@@ -136,8 +136,7 @@ def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monk
     """On a GPU the Gluon kernels can run (stood in for on CPU): a bf16 weight whose sides are
     multiples of 64 goes to the persistent kernel while its tokens suit it, to the Triton
     kernel when they do not; from wide_launch.MIN_TOKENS tokens, one whose sides are multiples
-    of 128 goes to the wide kernel; another weight, or FORGE_HF_KERNEL,
-    keeps them off."""
+    of 128 goes to the wide kernel; another weight, or FORGE_HF_KERNEL, keeps them off."""
     from forge_hf.kernels import fused_update, persistent_launch, wide_launch
 
     log = []

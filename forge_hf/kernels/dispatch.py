@@ -12,7 +12,8 @@ state slots, the launch's argument tensor, stats, rule name, stochastic).
   being faster with the same bits; from wide_launch.MIN_TOKENS tokens a step, a layer the
   wide kernel takes (the same states, sides multiples of 128: wide_launch.py) runs on that one,
   also with the same bits; every other layer runs fused_update.py's kernel.
-  ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on the latter;
+  ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on the latter,
+  ``FORGE_HF_KERNEL=persistent`` every layer off the wide kernel;
 * ``auto``: ``triton`` where it can run, else ``reference``.
 
 On ``triton`` a layer's step takes one of two paths, per layer shape:
