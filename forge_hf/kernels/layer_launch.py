@@ -1,6 +1,7 @@
-"""One layer's launches of a Gluon kernel that steps it from its tokens' TMA descriptors.
+"""What both Gluon kernels (persistent_launch.py, wide_launch.py) need of a device, a
+weight and its tokens, and one layer's launches of either.
 
-Both Gluon kernels take (x's descriptor, dy's descriptor, the weight's and states' arguments,
+Both take (x's descriptor, dy's descriptor, the weight's and states' arguments,
 args, stats, N, K, T). What stays the same from step to step is built once: the weight's and
 states' arguments (their descriptors encoded once where the kernel is launched directly,
 direct_launch.py), the constexprs, the grid. A step then finds or encodes the descriptors of
@@ -10,15 +11,19 @@ rebinds when a state is allocated or loaded).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
+from ..core import codecs
+from ..core.codecs import QuantisedSlot, storage_kind
 from .compiled import int_spec, launch_compiled, tensor_spec
 from .direct_launch import DirectLauncher
 
 KERNEL_ENV = "FORGE_HF_KERNEL"
 KERNEL_CHOICES = ("auto", "persistent", "triton")
+KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)  # fp32 states: not here
 _TOKEN_PLACES = 16  # token descriptors a layer keeps encoded (a few places a step; eval and train differ)
 
 
@@ -43,6 +48,42 @@ def tokens_unsupported(x, dy) -> str | None:
     if not (aligned(x) and aligned(dy)):
         return "x or dy has a non-unit last stride or is not 16-byte aligned"
     return None
+
+
+def device_unsupported(device: torch.device) -> str | None:
+    """Why the Gluon kernels cannot run on ``device`` (None: they can)."""
+    if kernel_choice() == "triton":
+        return f"{KERNEL_ENV}=triton"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return "not a Hopper GPU (wgmma and TMA as compiled for sm_90)"
+    return None
+
+
+def weight_layout_unsupported(weight, slots, multiple: int) -> str | None:
+    """Why a weight and its state slots do not suit a Gluon kernel whose tiles are ``multiple``
+    wide (None: they do)."""
+    if weight.dtype != torch.bfloat16:
+        return "the weight must be bf16"
+    n, k = weight.shape
+    if n % multiple or k % multiple:
+        return f"weight shape {tuple(weight.shape)} is not a multiple of {multiple}"
+    if weight.stride() != (k, 1) or not aligned(weight):
+        return "weight is not row-major and 16-byte aligned"
+    for slot in slots:
+        if storage_kind(slot) not in KINDS:
+            return "a state slot is neither bf16, int8, al8 nor absent"
+        codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
+        if codes is not None and (codes.stride() != weight.stride() or not aligned(codes)):
+            return "a state slot is not laid out as the weight"
+        if isinstance(slot, QuantisedSlot) and \
+                (tuple(slot.meta.shape), slot.meta.stride()) != codecs.meta_layout(n, k, slot.codec):
+            return "8-bit metadata is not laid out as QuantisedSlot.empty_like allocates it"
+    return None
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class LayerLaunch:

@@ -8,20 +8,22 @@ fused_update.py's; ``FORGE_HF_KERNEL=persistent`` keeps layers off the wide kern
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
-from ..core import codecs
 from ..core.codecs import QuantisedSlot, storage_kind
 from .compiled import launch_compiled
-from .layer_launch import KERNEL_ENV, LayerLaunch, aligned, kernel_choice, tokens_unsupported
+from .layer_launch import (
+    LayerLaunch,
+    device_unsupported,
+    multiprocessors,
+    tokens_unsupported,
+    weight_layout_unsupported,
+)
 from .persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
 
 NUM_BUF = 5  # ring slots a lane: 4 -> 5 was 49.3 -> 48.1 ms; 6 does not fit shared memory
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 12 warps: 8 consumers, 2 producers (a warpgroup)
-KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)  # fp32 states: not here
 
 
 def persistent_unsupported(x, dy, weight, slots) -> str | None:
@@ -29,41 +31,14 @@ def persistent_unsupported(x, dy, weight, slots) -> str | None:
     return device_unsupported(weight.device) or layout_unsupported(x, dy, weight, slots)
 
 
-def device_unsupported(device: torch.device) -> str | None:
-    """Why the persistent kernel cannot run on ``device`` (None: it can)."""
-    if kernel_choice() == "triton":
-        return f"{KERNEL_ENV}=triton"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return "not a Hopper GPU (wgmma and TMA as compiled for sm_90)"
-    return None
-
-
 def layout_unsupported(x, dy, weight, slots) -> str | None:
     """Why these tensors' dtypes and layouts do not suit the kernel (None: they do)."""
     return weight_unsupported(weight, slots) or tokens_unsupported(x, dy)
 
 
-def weight_unsupported(weight, slots, multiple: int = BLOCK_SIZE, kinds: tuple = KINDS,
-                       kind_names: str = "bf16, int8, al8") -> str | None:
-    """Why a weight and its state slots do not suit the kernel (None: they do); ``multiple``,
-    ``kinds`` (named ``kind_names``): the block size and state storages of a kernel."""
-    if weight.dtype != torch.bfloat16:
-        return "the weight must be bf16"
-    n, k = weight.shape
-    if n % multiple or k % multiple:
-        return f"weight shape {tuple(weight.shape)} is not a multiple of {multiple}"
-    if weight.stride() != (k, 1) or not aligned(weight):
-        return "weight is not row-major and 16-byte aligned"
-    for slot in slots:
-        if storage_kind(slot) not in kinds:
-            return f"a state slot is neither {kind_names} nor absent"
-        codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
-        if codes is not None and (codes.stride() != weight.stride() or not aligned(codes)):
-            return "a state slot is not laid out as the weight"
-        if isinstance(slot, QuantisedSlot) and \
-                (tuple(slot.meta.shape), slot.meta.stride()) != codecs.meta_layout(n, k, slot.codec):
-            return "8-bit metadata is not laid out as QuantisedSlot.empty_like allocates it"
-    return None
+def weight_unsupported(weight, slots) -> str | None:
+    """Why a weight and its state slots do not suit the kernel (None: they do)."""
+    return weight_layout_unsupported(weight, slots, BLOCK_SIZE)
 
 
 def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0):
@@ -84,11 +59,6 @@ def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, 
                       NUM_BUF=NUM_BUF, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, ABLATE=ablate)
     options = dict(num_warps=4, maxnreg=MAXNREG, enable_fp_fusion=False)  # no FMA contraction, as the other kernel
     return descs + metas + [args, stats, n, k, x.shape[0]], constexprs, options
-
-
-@functools.cache
-def multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _grid(weight: torch.Tensor) -> tuple[int]:

@@ -9,16 +9,21 @@ import functools
 import torch
 import triton
 
-from ..core import codecs
 from ..core.codecs import QuantisedSlot, storage_kind
 from .compiled import launch_compiled
-from .layer_launch import KERNEL_ENV, LayerLaunch, kernel_choice, tokens_unsupported
-from .persistent_launch import device_unsupported, multiprocessors, weight_unsupported
+from .layer_launch import (
+    KERNEL_ENV,
+    LayerLaunch,
+    device_unsupported,
+    kernel_choice,
+    multiprocessors,
+    tokens_unsupported,
+    weight_layout_unsupported,
+)
 from .wide_update import CHUNK_SIZE, TILE_SIZE, wide_update_kernel
 
 NUM_BUF = 4  # ring slots of 32 KB; with the 64 KB staging buffer, 192 of the 227 KB
 MMA_REGS, PRODUCER_REGS, MAXNREG = 168, 40, 128  # 16 warps: 8 epilogue, 4 MMA, a producer (a warpgroup)
-KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)  # fp32 states: not here
 # From this many tokens a step the fused path takes the wide kernel where it applies
 # (kernel_microbench --kernel wide against the persistent kernel, Llama-3.1-8B's shapes)
 MIN_TOKENS = 1024
@@ -33,7 +38,7 @@ def wide_layer_unsupported(weight, slots) -> str | None:
     """Why the wide kernel cannot step this layer, whatever its tokens (None: it can)."""
     if kernel_choice() == "persistent":
         return f"{KERNEL_ENV}=persistent"
-    return device_unsupported(weight.device) or weight_unsupported(weight, slots, TILE_SIZE, KINDS, "bf16, int8, al8")
+    return device_unsupported(weight.device) or weight_layout_unsupported(weight, slots, TILE_SIZE)
 
 
 @functools.cache
