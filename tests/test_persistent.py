@@ -102,6 +102,18 @@ def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
     return [w] + [s for s in state.kernel_slots() if s is not None], stats
 
 
+def assert_same_steps(got, ref):
+    """Two kernels' _run results: the same weight and state bits (8-bit: codes and metadata),
+    and statistics within the order of their atomic sums."""
+    (got, got_stats), (ref, ref_stats) = got, ref
+    for a, b in zip(got, ref):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        else:
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.meta, b.meta)
+    torch.testing.assert_close(got_stats, ref_stats, rtol=1e-6, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
 @pytest.mark.parametrize("stochastic", [True, False])
@@ -114,13 +126,7 @@ def test_same_bits_as_the_triton_kernel(rule_name, hp, n, k, t, stochastic, prec
         x, dy, w, state, rule, group = _tensors(n, k, t, precision, "cuda", rule_name, hp)
         assert layout_unsupported(x, dy, w, state.kernel_slots()) is None
         results[kernel] = _run(kernel, x, dy, w, state, rule, group, steps=3, stochastic=stochastic)
-    (got, got_stats), (ref, ref_stats) = results["persistent"], results["triton"]
-    for a, b in zip(got, ref):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-        else:  # 8-bit: codes and scales
-            assert torch.equal(a.codes, b.codes) and torch.equal(a.meta, b.meta)
-    torch.testing.assert_close(got_stats, ref_stats, rtol=1e-6, atol=0)
+    assert_same_steps(results["persistent"], results["triton"])
 
 
 @pytest.mark.gpu

@@ -81,6 +81,18 @@ def weight_layout_unsupported(weight, slots, multiple: int) -> str | None:
     return None
 
 
+def stored_tensors(weight, slots, stats) -> tuple[list, list, list]:
+    """What both kernels read and write of a layer: (the weight's and each slot's stored
+    tensor, the slots' metadata, the slots' storage kinds). bf16 as bits; 8-bit codes as int8
+    (al8's uint8 ones too: the kernels only move their bits); an absent slot's stand-ins are
+    the weight's bits and ``stats``, never read."""
+    bits = weight.view(torch.int16)
+    stored = [bits] + [bits if s is None else s.codes.view(torch.int8) if isinstance(s, QuantisedSlot)
+                       else s.view(torch.int16) for s in slots]
+    metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
+    return stored, metas, [storage_kind(s) for s in slots]
+
+
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count

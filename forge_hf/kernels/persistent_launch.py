@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..core.codecs import QuantisedSlot, storage_kind
 from .compiled import launch_compiled
 from .layer_launch import (
     LayerLaunch,
     device_unsupported,
     multiprocessors,
+    stored_tensors,
     tokens_unsupported,
     weight_layout_unsupported,
 )
@@ -47,14 +47,8 @@ def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, 
     Arguments as fused_update.fused_launch_arguments', ``rule_update`` the rule's jitted update;
     ``ablate``: benchmarks only (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY)."""
     n, k = weight.shape
-    # bf16 as bits; 8-bit codes as int8 (al8's uint8 ones too: the slots share one ring of one
-    # dtype, and the kernel only moves their bits); absent: any
-    stored = [weight.view(torch.int16)]
-    stored += [stored[0] if s is None else s.codes.view(torch.int8) if isinstance(s, QuantisedSlot)
-               else s.view(torch.int16) for s in slots]
+    stored, metas, kinds = stored_tensors(weight, slots, stats)  # the slots share one ring of one dtype
     descs = [tensor_descriptor(x), tensor_descriptor(dy)] + [tensor_descriptor(t) for t in stored]
-    metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
-    kinds = [storage_kind(s) for s in slots]
     constexprs = dict(RULE_UPDATE=rule_update, S0=kinds[0], S1=kinds[1], S2=kinds[2], STOCHASTIC=stochastic,
                       NUM_BUF=NUM_BUF, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, ABLATE=ablate)
     options = dict(num_warps=4, maxnreg=MAXNREG, enable_fp_fusion=False)  # no FMA contraction, as the other kernel

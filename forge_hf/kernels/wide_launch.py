@@ -9,7 +9,6 @@ import functools
 import torch
 import triton
 
-from ..core.codecs import QuantisedSlot, storage_kind
 from .compiled import launch_compiled
 from .layer_launch import (
     KERNEL_ENV,
@@ -17,6 +16,7 @@ from .layer_launch import (
     device_unsupported,
     kernel_choice,
     multiprocessors,
+    stored_tensors,
     tokens_unsupported,
     weight_layout_unsupported,
 )
@@ -57,16 +57,11 @@ def wide_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stocha
     """(positional arguments, constexpr arguments, compile options) of the launch; arguments
     as persistent_launch.persistent_launch_arguments'."""
     n, k = weight.shape
-    bits = weight.view(torch.int16)
-    # bf16 as bits; 8-bit codes as int8 (al8's uint8 ones too: the kernel only moves their bits); absent: any
-    stored = [bits if s is None else s.codes.view(torch.int8) if isinstance(s, QuantisedSlot)
-              else s.view(torch.int16) for s in slots]
-    metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
-    kinds = [storage_kind(s) for s in slots]
+    stored, metas, kinds = stored_tensors(weight, slots, stats)
     constexprs = dict(RULE_UPDATE=rule_update, S0=kinds[0], S1=kinds[1], S2=kinds[2], STOCHASTIC=stochastic,
                       NUM_BUF=NUM_BUF, MMA_REGS=MMA_REGS, PRODUCER_REGS=PRODUCER_REGS)
     options = dict(num_warps=8, maxnreg=MAXNREG, enable_fp_fusion=False)  # no FMA contraction, as the other kernels
-    positional = [chunk_descriptor(x), chunk_descriptor(dy), bits, *stored, *metas, args, stats, n, k, x.shape[0]]
+    positional = [chunk_descriptor(x), chunk_descriptor(dy), *stored, *metas, args, stats, n, k, x.shape[0]]
     return positional, constexprs, options
 
 
