@@ -10,7 +10,7 @@ multiprocessor:
 
 * a producer warp: TMA copies of the 64-token chunks of dy and x into a ring;
 * an MMA warpgroup: the tile's gradient by wgmma over the chunks, then the accumulator
-  into a shared staging buffer, and on to the next tile;
+  and its 64 x 64 blocks' squared sums into a shared staging buffer, and on to the next tile;
 * two epilogue warpgroups (the default partition): the staged gradient 64 x 64 block by
   block, the weight and states straight from memory, the rule, the rounding, the stores.
 
@@ -39,7 +39,7 @@ from .state_tiles import (
     log_encode,
 )
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
-from .tile_step import finite_sumsq, load_step_args
+from .tile_step import load_step_args
 
 # Triton 3.6's name, renamed in later releases
 partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the calling partition's warps
@@ -59,15 +59,16 @@ class Wide:
     x_bufs: gl.shared_memory_descriptor  # (NUM_BUF, 64, 128): token chunks of x
     dy_bufs: gl.shared_memory_descriptor  # of dy
     acc_buf: gl.shared_memory_descriptor  # (128, 128) fp32: a tile's gradient, MMA -> epilogue
+    sums_buf: gl.shared_memory_descriptor  # (4,) fp32: its 64 x 64 blocks' squared sums, row by row
     empty: gl.shared_memory_descriptor  # (NUM_BUF, 1): a ring slot may be refilled
     ready: gl.shared_memory_descriptor  # its chunk has landed
     acc_empty: gl.shared_memory_descriptor  # (1, 1): the epilogue has read the staged gradient
     acc_ready: gl.shared_memory_descriptor  # a gradient is staged
 
     @gluon.constexpr_function
-    def __init__(self, x_desc, dy_desc, x_bufs, dy_bufs, acc_buf, empty, ready, acc_empty, acc_ready):
+    def __init__(self, x_desc, dy_desc, x_bufs, dy_bufs, acc_buf, sums_buf, empty, ready, acc_empty, acc_ready):
         self.x_desc, self.dy_desc = x_desc, dy_desc
-        self.x_bufs, self.dy_bufs, self.acc_buf = x_bufs, dy_bufs, acc_buf
+        self.x_bufs, self.dy_bufs, self.acc_buf, self.sums_buf = x_bufs, dy_bufs, acc_buf, sums_buf
         self.empty, self.ready, self.acc_empty, self.acc_ready = empty, ready, acc_empty, acc_ready
 
 
@@ -116,6 +117,25 @@ def producer(p, N, K, T, NUM_BUF: gl.constexpr):
 
 
 @gluon.jit
+def _block_sums(acc):
+    """The squared sums of a tile's four 64 x 64 blocks, row by row, as a (4,) tensor: formed
+    from the accumulator's registers, so the epilogue reads the staged gradient once."""
+    layout: gl.constexpr = acc.type.layout
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, layout))
+    rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, layout))
+    square = acc * acc
+    left = gl.sum(gl.where(cols[None, :] < SUB, square, 0.0), axis=1)
+    right = gl.sum(gl.where(cols[None, :] < SUB, 0.0, square), axis=1)
+    top = rows < SUB
+    s00 = gl.sum(gl.where(top, left, 0.0), axis=0)
+    s01 = gl.sum(gl.where(top, right, 0.0), axis=0)
+    s10 = gl.sum(gl.where(top, 0.0, left), axis=0)
+    s11 = gl.sum(gl.where(top, 0.0, right), axis=0)
+    index = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    return gl.where(index == 0, s00, gl.where(index == 1, s01, gl.where(index == 2, s10, s11)))
+
+
+@gluon.jit
 def mma(p, N, K, T, NUM_BUF: gl.constexpr):
     """Each tile's gradient dY[:, rows]^T X[:, cols] in fp32, staged for the epilogue."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -126,8 +146,10 @@ def mma(p, N, K, T, NUM_BUF: gl.constexpr):
     for _tile in range(first, num_tiles, stride):
         acc = gl.zeros((TILE, TILE), gl.float32, layout)
         acc, i = multiply_chunks(acc, p.x_bufs, p.dy_bufs, p.empty, p.ready, T, i, 0, NUM_BUF)
+        sums = _block_sums(acc)
         mbarrier.wait(p.acc_empty.index(0), (j & 1) ^ 1)  # the epilogue has read the last tile
         p.acc_buf.store(acc)
+        p.sums_buf.store(sums)
         partition_barrier()  # every thread's part is stored before the one arrival
         mbarrier.arrive(p.acc_ready.index(0), count=1)
         j += 1
@@ -208,6 +230,8 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr,
              S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr):
     ROWS: gl.constexpr = epilogue_rows(S0, S1, S2)
     layout: gl.constexpr = epilogue_layout(ROWS)
+    sums_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+    index = gl.arange(0, 4, layout=sums_layout)
     consts, step, salt, row0 = load_step_args(args_ptr)
     first, num_tiles, stride = _tiles(N, K)
     total = gl.to_tensor(0.0)
@@ -216,10 +240,12 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr,
     for tile in range(first, num_tiles, stride):
         off_n, off_k = _tile_origin(tile, N, K)
         mbarrier.wait(p.acc_ready.index(0), j & 1)
+        sums = p.sums_buf.load(sums_layout)
         for r in gl.static_range(TILE // SUB):
             for c in gl.static_range(TILE // SUB):
-                # the block's sum decides for all of it; then its rows in parts (registers)
-                sumsq, ok = finite_sumsq(p.acc_buf.slice(r * SUB, SUB, dim=0).slice(c * SUB, SUB, dim=1).load(layout))
+                # the block's sum (the MMA warpgroup's) decides for all of it; then its rows in parts
+                sumsq = gl.sum(gl.where(index == r * (TILE // SUB) + c, sums, 0.0), axis=0)
+                ok = (sumsq == sumsq) & (sumsq < float("inf"))  # tile_step.finite_sumsq's test
                 for part in gl.static_range(SUB // ROWS):
                     _epilogue_rows(p, w_ptr, (s0_ptr, s1_ptr, s2_ptr), (m0_ptr, m1_ptr, m2_ptr), off_n, off_k,
                                    r * SUB + part * ROWS, c * SUB, N, K, ok, consts, row0, salt, step, ROWS, layout,
@@ -246,6 +272,7 @@ def wide_update_kernel(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m
     # row-wise loads then spread over the banks
     staged: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
     acc_buf = gl.allocate_shared_memory(gl.float32, [TILE, TILE], staged)
+    sums_buf = gl.allocate_shared_memory(gl.float32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -255,7 +282,7 @@ def wide_update_kernel(x_desc, dy_desc, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m
         mbarrier.init(ready.index(b), count=1)
     mbarrier.init(acc_empty.index(0), count=1)
     mbarrier.init(acc_ready.index(0), count=1)
-    p = Wide(x_desc, dy_desc, x_bufs, dy_bufs, acc_buf, empty, ready, acc_empty, acc_ready)
+    p = Wide(x_desc, dy_desc, x_bufs, dy_bufs, acc_buf, sums_buf, empty, ready, acc_empty, acc_ready)
     # the epilogue is the default partition (the kernel's 8 warps); worker partitions take no tensors
     gl.warp_specialize([
         (epilogue, (p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr, stats_ptr, N, K,
