@@ -231,7 +231,6 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr,
     ROWS: gl.constexpr = epilogue_rows(S0, S1, S2)
     layout: gl.constexpr = epilogue_layout(ROWS)
     sums_layout: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-    index = gl.arange(0, 4, layout=sums_layout)
     consts, step, salt, row0 = load_step_args(args_ptr)
     first, num_tiles, stride = _tiles(N, K)
     total = gl.to_tensor(0.0)
@@ -240,11 +239,11 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr,
     for tile in range(first, num_tiles, stride):
         off_n, off_k = _tile_origin(tile, N, K)
         mbarrier.wait(p.acc_ready.index(0), j & 1)
-        sums = p.sums_buf.load(sums_layout)
         for r in gl.static_range(TILE // SUB):
             for c in gl.static_range(TILE // SUB):
                 # the block's sum (the MMA warpgroup's) decides for all of it; then its rows in parts
-                sumsq = gl.sum(gl.where(index == r * (TILE // SUB) + c, sums, 0.0), axis=0)
+                block_sum = p.sums_buf.slice(r * (TILE // SUB) + c, 1, dim=0).load(sums_layout)
+                sumsq = gl.sum(block_sum, axis=0)
                 ok = (sumsq == sumsq) & (sumsq < float("inf"))  # tile_step.finite_sumsq's test
                 for part in gl.static_range(SUB // ROWS):
                     _epilogue_rows(p, w_ptr, (s0_ptr, s1_ptr, s2_ptr), (m0_ptr, m1_ptr, m2_ptr), off_n, off_k,
