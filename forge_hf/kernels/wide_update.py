@@ -245,12 +245,12 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr,
                 block_sum = p.sums_buf.slice(r * (TILE // SUB) + c, 1, dim=0).load(sums_layout)
                 sumsq = gl.sum(block_sum, axis=0)
                 ok = (sumsq == sumsq) & (sumsq < float("inf"))  # tile_step.finite_sumsq's test
+                total += gl.where(ok, sumsq, 0.0)
+                bad += gl.where(ok, 0.0, 1.0)
                 for part in gl.static_range(SUB // ROWS):
                     _epilogue_rows(p, w_ptr, (s0_ptr, s1_ptr, s2_ptr), (m0_ptr, m1_ptr, m2_ptr), off_n, off_k,
                                    r * SUB + part * ROWS, c * SUB, N, K, ok, consts, row0, salt, step, ROWS, layout,
                                    RULE_UPDATE, STOCHASTIC, S0, S1, S2)
-                total += gl.where(ok, sumsq, 0.0)
-                bad += gl.where(ok, 0.0, 1.0)
         partition_barrier()  # every thread has read the staged gradient before the one arrival
         mbarrier.arrive(p.acc_empty.index(0), count=1)
         j += 1
