@@ -39,6 +39,9 @@ def test_backend_names_and_an_unknown_one():
 
 
 def test_cpu_weights_under_the_interpreter(monkeypatch):
+    # the kernels imported first: imported with TRITON_INTERPRET set, a GPU process's would be
+    # made for the interpreter, and every later test of theirs would fail
+    from forge_hf.kernels import fused_update  # noqa: F401
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("reference", CPU) is reference_fused_update
     assert resolve_backend("triton", CPU) is launch_fused_update
