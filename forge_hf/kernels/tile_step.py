@@ -26,8 +26,14 @@ def load_step_args(args_ptr):
 
 @triton.jit
 def finite_sumsq(acc):
-    """A gradient tile's squared sum, and whether the tile may be applied: one whose
-    squared sum is not finite (a NaN or inf in it, or an entry beyond ~1e19 whose square
-    overflows) is counted and skipped; others add their squared sum to the grad norm."""
+    """A gradient tile's squared sum, and whether the tile may be applied (applicable)."""
     sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    return sumsq, (sumsq == sumsq) & (sumsq < float("inf"))
+    return sumsq, applicable(sumsq)
+
+
+@triton.jit
+def applicable(sumsq):
+    """Whether a gradient tile with this squared sum may be applied: one whose squared sum is
+    not finite (a NaN or inf in it, or an entry beyond ~1e19 whose square overflows) is
+    counted and skipped; others add their squared sum to the grad norm."""
+    return (sumsq == sumsq) & (sumsq < float("inf"))

@@ -39,7 +39,7 @@ from .state_tiles import (
     log_encode,
 )
 from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
-from .tile_step import load_step_args
+from .tile_step import applicable, load_step_args
 
 # Triton 3.6's name, renamed in later releases
 partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the calling partition's warps
@@ -244,7 +244,7 @@ def epilogue(p, w_ptr, s0_ptr, s1_ptr, s2_ptr, m0_ptr, m1_ptr, m2_ptr, args_ptr,
                 # the block's sum (the MMA warpgroup's) decides for all of it; then its rows in parts
                 block_sum = p.sums_buf.slice(r * (TILE // SUB) + c, 1, dim=0).load(sums_layout)
                 sumsq = gl.sum(block_sum, axis=0)
-                ok = (sumsq == sumsq) & (sumsq < float("inf"))  # tile_step.finite_sumsq's test
+                ok = applicable(sumsq)
                 total += gl.where(ok, sumsq, 0.0)
                 bad += gl.where(ok, 0.0, 1.0)
                 for part in gl.static_range(SUB // ROWS):
