@@ -49,10 +49,11 @@ logged() { local log=$OUT/$1; shift; echo "\$ $*" >> "$log"; "$@" 2>&1 | tee -a 
 tests() {
   local rc workers=() skip=()
   python3 -c "import xdist" 2> /dev/null && workers=(-n "${WORKERS:-4}")
+  : > "$OUT/gpu_pytest.log"  # this run's log only: the summary below greps it
   # the notebooks run on CPU in CI; a GPU machine without their runner leaves them out, said in the log
   if ! python3 -c "import nbformat, nbclient, ipykernel" 2> /dev/null; then
     skip=(--ignore=tests/test_notebooks.py)
-    echo "tests/test_notebooks.py left out: nbformat, nbclient or ipykernel is not installed" > "$OUT/gpu_pytest.log"
+    echo "tests/test_notebooks.py left out: nbformat, nbclient or ipykernel is not installed" >> "$OUT/gpu_pytest.log"
   fi
   # the Trainer refuses to run with two GPUs visible: the suite sees one. -v names a failure
   # when it happens, so a run cut short by a time limit still says which test failed
