@@ -339,7 +339,7 @@ def _train_tiny_llama(precision: str, steps: int = 50) -> list[float]:
     slots = model.model.layers[0].mlp.down_proj.forge_state.slots[:2]
     assert all(isinstance(s, QuantisedSlot) == eight_bit for s in slots)
     # the ordinary optimizer's tensors (embeddings, norms) keep 16-bit states
-    assert opt.state[model.model.embed_tokens.weight].storage == ("bf16" if eight_bit else precision)
+    assert opt.state[model.model.embed_tokens.weight].stored_precision == ("bf16" if eight_bit else precision)
     return losses
 
 

@@ -74,7 +74,7 @@ class ForgeState:
         return self.host["step"]
 
     @property
-    def storage(self) -> str:
+    def stored_precision(self) -> str:
         """The precision the slots are actually stored in. Tensors outside fused layers
         (embeddings, norms) keep 16-bit states under an 8-bit precision: 8-bit moments of
         rarely-touched embedding rows are the known weak spot of 8-bit optimizers."""
@@ -82,9 +82,9 @@ class ForgeState:
         return self.precision if quantisable else "bf16"
 
     def _new_slot(self, param: torch.Tensor, index: int, fill: float):
-        codec = slot_codec(self.storage, self.rule.slot_signed[index])
+        codec = slot_codec(self.stored_precision, self.rule.slot_signed[index])
         if codec is None:
-            return torch.full_like(param, fill, dtype=_DTYPES[self.storage],
+            return torch.full_like(param, fill, dtype=_DTYPES[self.stored_precision],
                                    memory_format=torch.preserve_format).detach()
         slot = QuantisedSlot.empty_like(param, codec, self.transposed)  # all zeros
         if fill != 0.0:
@@ -115,7 +115,7 @@ class ForgeState:
                    for s in self.slots if s is not None)
 
     def state_dict(self) -> dict:
-        sd = {"rule": self.rule.name, "precision": self.storage, **self.host}
+        sd = {"rule": self.rule.name, "precision": self.stored_precision, **self.host}
         for name, s in zip(self.rule.slot_names, self.slots):
             if isinstance(s, QuantisedSlot):
                 # codes and metadata exactly as stored, and how to read them back
@@ -131,10 +131,10 @@ class ForgeState:
                 f"checkpoint state was written by forge rule {sd['rule']!r} but this layer uses "
                 f"{self.rule.name!r}: patch the model with optimizer={sd['rule']!r}"
             )
-        source = sd.get("precision", self.storage)
-        if source != self.storage:
+        source = sd.get("precision", self.stored_precision)
+        if source != self.stored_precision:
             warnings.warn(
-                f"optimizer state saved as {source} is converted to {self.storage} on load",
+                f"optimizer state saved as {source} is converted to {self.stored_precision} on load",
                 stacklevel=3,
             )
         self.host = {k: sd[k] for k in self.rule.host_init()}
