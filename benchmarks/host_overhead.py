@@ -18,11 +18,11 @@ import forge_hf
 from forge_hf.core.launch_args import next_launch_args, pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
-from forge_hf.kernels.bound_launch import BoundLaunch
-from forge_hf.kernels.compiled import launch_compiled
 from forge_hf.kernels.dispatch import launch_fused_update
-from forge_hf.kernels.fused_update import RULE_UPDATES, fused_launch_arguments, fused_update_kernel
-from forge_hf.kernels.persistent_launch import PersistentLaunch, launch_persistent, persistent_unsupported
+from forge_hf.kernels.launch.compiled import launch_compiled
+from forge_hf.kernels.launch.fused_update_launch import BoundLaunch
+from forge_hf.kernels.launch.persistent_launch import PersistentLaunch, launch_persistent, persistent_unsupported
+from forge_hf.kernels.triton.fused_update import RULE_UPDATES, fused_launch_arguments, fused_update_kernel
 
 from models import SHAPES, build_model, linear_shapes
 from results_table import add_table_option, append_rows
@@ -81,7 +81,7 @@ def launch_costs() -> dict:
         "triton_jit_dispatch": lambda: fused_update_kernel[grid](*positional, **constexprs, num_warps=4,
                                                                  num_stages=3),
         "compiled_runner": lambda: runner(*every),
-        "launch_compiled_again": lambda: again(grid, positional),  # direct_launch.py where it applies
+        "launch_compiled_again": lambda: again(grid, positional),  # launch/direct_launch.py where it applies
         "bound_launch": lambda: bound(x, dy, args, stats),
         "bound_rule_pass": lambda: rule_pass(grad, grad, args, stats),
         "torch_add_": lambda: w.add_(0),  # for reference: one small torch op
@@ -123,7 +123,8 @@ def per_layer_host_us(model_name, steps=5, state="bf16") -> dict:
     timed around those calls with the GPU queue never full (the model is small enough that the
     host leads); and inside the backward, the parts: dX's GEMM, the launch arguments, the
     two-pass weight gradient's GEMM, the rule pass's and the fused kernels' launches."""
-    from forge_hf.kernels import dispatch, persistent_launch
+    from forge_hf.kernels import dispatch
+    from forge_hf.kernels.launch import persistent_launch
     from forge_hf.nn import linear
 
     step = eager_training(model_name, state, batch=4)

@@ -10,7 +10,7 @@ ablation as a launch argument (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY).
 import triton
 import triton.language as tl
 
-from forge_hf.kernels import fused_update, state_tiles
+from forge_hf.kernels.triton import fused_update, state_tiles
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def apply_triton(name: str) -> None:
 
 def persistent_flag(name: str):
     """The persistent kernel's ABLATE launch argument for ``name`` (0: the whole kernel)."""
-    from forge_hf.kernels.persistent_update import EPILOGUE_ONLY, MAINLOOP_ONLY
+    from forge_hf.kernels.gluon.persistent_update import EPILOGUE_ONLY, MAINLOOP_ONLY
 
     flags = {"none": 0, "mainloop_only": MAINLOOP_ONLY, "epilogue_only": EPILOGUE_ONLY}
     if name not in flags:

@@ -68,7 +68,7 @@ def test_direct_launch_key_follows_what_triton_specialises_on():
     """After its first launch the compiled kernel is reused for arguments Triton would
     compile the same way (dtype, 16-byte alignment, integers equal to 1 or multiples of
     16), and only for those."""
-    from forge_hf.kernels.compiled import _specialisation
+    from forge_hf.kernels.launch.compiled import _specialisation
 
     a = torch.zeros(64)
     key = _specialisation([a, 32, 5])
@@ -78,7 +78,7 @@ def test_direct_launch_key_follows_what_triton_specialises_on():
     assert key != _specialisation([a, 33, 5])
     assert key != _specialisation([a, 32, 1])
     # a TMA descriptor (the persistent kernel's): by its tensor's dtype, whatever the address
-    from forge_hf.kernels.persistent_update import tensor_descriptor
+    from forge_hf.kernels.gluon.persistent_update import tensor_descriptor
     codes = torch.zeros(64, 64, dtype=torch.int8)
     described = _specialisation([tensor_descriptor(codes), 32])
     assert described == _specialisation([tensor_descriptor(torch.ones(128, 64, dtype=torch.int8)), 48])

@@ -1,4 +1,4 @@
-"""A bound launch (forge_hf/kernels/bound_launch.py) steps a weight with the same bits as
+"""A bound launch (forge_hf/kernels/launch/fused_update_launch.py) steps a weight with the same bits as
 the kernel launched through its whole argument path, call after call, whatever changes
 between calls in how Triton specialises the tokens; and it keeps no call's tensors alive.
 CPU tensors run under Triton's interpreter, GPU tensors on the compiled kernel."""
@@ -11,9 +11,9 @@ import torch
 from helpers import adamw_bf16_layer, exact_inputs
 
 from forge_hf.core.launch_args import pack_args
-from forge_hf.kernels.bound_launch import BoundLaunch
 from forge_hf.kernels.dispatch import launch_rule_step
-from forge_hf.kernels.fused_update import default_config, fused_launch_arguments, launch_fused_kernel
+from forge_hf.kernels.launch.fused_update_launch import BoundLaunch
+from forge_hf.kernels.triton.fused_update import default_config, fused_launch_arguments, launch_fused_kernel
 
 
 def _layer(precision, device):

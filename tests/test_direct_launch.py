@@ -1,4 +1,4 @@
-"""Compiled kernels launched through Triton's C launcher directly (kernels/direct_launch.py)
+"""Compiled kernels launched through Triton's C launcher directly (kernels/launch/direct_launch.py)
 step the weights with the same bits as Triton's own launch path, and give way to it while a
 launch hook (a profiler) is registered. On the GPU: the persistent kernel, whose weight and
 state descriptors are encoded once and whose tokens' are kept by address, over steps whose
@@ -12,7 +12,7 @@ from helpers import adamw_bf16_layer, exact_inputs
 from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
-from forge_hf.kernels.direct_launch import DirectLauncher, direct_launcher
+from forge_hf.kernels.launch.direct_launch import DirectLauncher, direct_launcher
 
 BF16 = torch.bfloat16
 
@@ -94,9 +94,9 @@ def _same(a: list, b: list) -> None:
 @pytest.mark.parametrize("kernel,precision", [("persistent", "bf16"), ("persistent", "int8"), ("wide", "bf16"),
                                               ("wide", "al8")])
 def test_a_gluon_kernel_launched_directly_gives_tritons_bits(kernel, precision):
-    from forge_hf.kernels.fused_update import RULE_UPDATES
-    from forge_hf.kernels.persistent_launch import PersistentLaunch
-    from forge_hf.kernels.wide_launch import WideLaunch
+    from forge_hf.kernels.launch.persistent_launch import PersistentLaunch
+    from forge_hf.kernels.launch.wide_launch import WideLaunch
+    from forge_hf.kernels.triton.fused_update import RULE_UPDATES
 
     launch_class, k = (PersistentLaunch, 192) if kernel == "persistent" else (WideLaunch, 256)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -146,7 +146,7 @@ def test_a_gluon_kernel_launched_directly_gives_tritons_bits(kernel, precision):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiled kernel needs a GPU")
 def test_a_bound_launch_launched_directly_gives_tritons_bits():
-    from forge_hf.kernels.bound_launch import BoundLaunch
+    from forge_hf.kernels.launch.fused_update_launch import BoundLaunch
 
     results = []
     for hooked in (False, True):

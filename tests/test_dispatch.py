@@ -41,7 +41,7 @@ def test_backend_names_and_an_unknown_one():
 def test_cpu_weights_under_the_interpreter(monkeypatch):
     # the kernels imported first: imported with TRITON_INTERPRET set, a GPU process's would be
     # made for the interpreter, and every later test of theirs would fail
-    from forge_hf.kernels import fused_update  # noqa: F401
+    from forge_hf.kernels.triton import fused_update  # noqa: F401
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("reference", CPU) is reference_fused_update
     assert resolve_backend("triton", CPU) is launch_fused_update
@@ -140,7 +140,8 @@ def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monk
     multiples of 64 goes to the persistent kernel while its tokens suit it, to the Triton
     kernel when they do not; from wide_launch.MIN_TOKENS tokens, one whose sides are multiples
     of 128 goes to the wide kernel; another weight, or FORGE_HF_KERNEL, keeps them off."""
-    from forge_hf.kernels import fused_update, persistent_launch, wide_launch
+    from forge_hf.kernels.launch import persistent_launch, wide_launch
+    from forge_hf.kernels.triton import fused_update
 
     log = []
     monkeypatch.setattr(fused_update, "INTERPRETER", False)
@@ -208,10 +209,10 @@ def test_an_unknown_kernel_choice_is_refused_naming_the_choices(monkeypatch):
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("kernel,n,k,tokens", [("persistent", 128, 192, 100), ("wide", 256, 384, 1100)])
 def test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits(kernel, n, k, tokens, monkeypatch):
-    from forge_hf.kernels import layer_launch
+    from forge_hf.kernels.launch import gluon_launch
     ran = []
-    call = layer_launch.LayerLaunch.__call__
-    monkeypatch.setattr(layer_launch.LayerLaunch, "__call__",
+    call = gluon_launch.LayerLaunch.__call__
+    monkeypatch.setattr(gluon_launch.LayerLaunch, "__call__",
                         lambda self, *a: ran.append(type(self).__name__) or call(self, *a))
     cuda = torch.device("cuda")
     bound = _steps(lambda w, slots, stats: bind_fused_update("triton", w, slots, stats, "adamw", True), "bf16",

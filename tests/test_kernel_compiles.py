@@ -39,7 +39,7 @@ def compile_all() -> dict:
     from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
     from forge_hf.core.state import ForgeState
-    from forge_hf.kernels.fused_update import (
+    from forge_hf.kernels.triton.fused_update import (
         compile_options,
         default_config,
         fused_launch_arguments,
@@ -130,9 +130,9 @@ def compile_persistent() -> dict:
     from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
     from forge_hf.core.state import ForgeState
-    from forge_hf.kernels.fused_update import RULE_UPDATES
-    from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_launch_arguments
-    from forge_hf.kernels.persistent_update import persistent_update_kernel
+    from forge_hf.kernels.gluon.persistent_update import persistent_update_kernel
+    from forge_hf.kernels.launch.persistent_launch import layout_unsupported, persistent_launch_arguments
+    from forge_hf.kernels.triton.fused_update import RULE_UPDATES
 
     results = {}
     for key, hp in PERSISTENT_RULES.items():
@@ -183,9 +183,9 @@ def compile_wide() -> dict:
     from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
     from forge_hf.core.state import ForgeState
-    from forge_hf.kernels.fused_update import RULE_UPDATES
-    from forge_hf.kernels.wide_launch import wide_launch_arguments
-    from forge_hf.kernels.wide_update import wide_update_kernel
+    from forge_hf.kernels.gluon.wide_update import wide_update_kernel
+    from forge_hf.kernels.launch.wide_launch import wide_launch_arguments
+    from forge_hf.kernels.triton.fused_update import RULE_UPDATES
 
     results = {}
     for key, precision, stochastic in WIDE_VARIANTS:

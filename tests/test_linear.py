@@ -8,7 +8,7 @@ import torch
 from helpers import exact_gradient, exact_inputs
 
 from forge_hf import ForgeLinear
-from forge_hf.kernels.fused_update import default_blocks
+from forge_hf.kernels.triton.fused_update import default_blocks
 
 
 def test_from_linear_reuses_parameters_and_to_linear_restores_them():
@@ -177,7 +177,7 @@ def test_nesterov_without_momentum_is_refused():
 
 @pytest.mark.gpu
 def test_changing_lr_never_recompiles():
-    from forge_hf.kernels.fused_update import fused_update_kernel
+    from forge_hf.kernels.triton.fused_update import fused_update_kernel
 
     lin = torch.nn.Linear(256, 192, device="cuda", dtype=torch.bfloat16)
     layer = ForgeLinear.from_linear(lin, backend="triton", state_precision="bf16")

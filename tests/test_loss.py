@@ -260,7 +260,7 @@ def _wide_logits(dtype, rows=5, vocab=9000, seed=1):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_kernels_give_torchs_lse_target_logit_and_gradient(dtype):
-    from forge_hf.kernels.cross_entropy import row_grad_, row_lse
+    from forge_hf.kernels.triton.cross_entropy import row_grad_, row_lse
 
     logits, targets = _wide_logits(dtype)
     lse, picked = row_lse(logits, targets)
@@ -291,7 +291,7 @@ def test_on_the_row_kernels_the_loss_is_the_chunked_loss(monkeypatch):
 
 
 def test_row_kernels_refuse_logits_whose_rows_are_not_contiguous():
-    from forge_hf.kernels.cross_entropy import row_lse
+    from forge_hf.kernels.triton.cross_entropy import row_lse
 
     logits, targets = _wide_logits(torch.float32)
     with pytest.raises(ValueError, match="contiguous rows"):

@@ -1,5 +1,5 @@
 """ForgeOptimizer's small 1-d tensors (norms, biases) stepped in one launch
-(kernels/multi_tensor.py): the same bits as one launch a tensor, tile by tile the same
+(kernels/triton/multi_tensor.py): the same bits as one launch a tensor, tile by tile the same
 non-finite skips, one launch a step, and what was queued stepped even when a later tensor's
 step fails."""
 
@@ -9,7 +9,7 @@ from conftest import DEVICE
 from torch import nn
 
 from forge_hf import ForgeLinear
-from forge_hf.kernels import multi_tensor
+from forge_hf.kernels.triton import multi_tensor
 from forge_hf.optim.optimizer import ForgeOptimizer
 
 # 1, 63: shorter than a tile; 100: a partial second tile; 1500: a program and a partial one;

@@ -1,5 +1,5 @@
-"""The persistent Gluon kernel (kernels/persistent_update.py): where it applies, and on a
-Hopper GPU that it gives fused_update.py's kernel's bits.
+"""The persistent Gluon kernel (kernels/gluon/persistent_update.py): where it applies, and on a
+Hopper GPU that it gives triton/fused_update.py's kernel's bits.
 
 Both kernels form the gradient block by the same 64-token wgmma chunks in the same order
 and share the rules' arithmetic and the rounding hash, so weights, states and statistics
@@ -13,7 +13,7 @@ from forge_hf.core import codecs
 from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
-from forge_hf.kernels.persistent_launch import layout_unsupported, persistent_unsupported
+from forge_hf.kernels.launch.persistent_launch import layout_unsupported, persistent_unsupported
 
 BF16 = torch.bfloat16
 
@@ -62,7 +62,7 @@ def test_cpu_tensors_and_the_environment_switch_keep_the_triton_kernel(monkeypat
 
 
 def test_epilogue_buffers_skip_absent_slots():
-    from forge_hf.kernels.persistent_update import present, s_index
+    from forge_hf.kernels.gluon.persistent_update import present, s_index
     none, bf16 = codecs.NONE, codecs.BF16
     assert present(bf16, bf16, none) == 2 and present(none, none, none) == 0
     # AdamW: exp_avg, exp_avg_sq; lane 1's start after lane 0's two
@@ -85,9 +85,9 @@ def _hopper():
 
 def _run(kernel, x, dy, w, state, rule, group, steps, stochastic, salt=77):
     from forge_hf.kernels.dispatch import launch_fused_update
-    from forge_hf.kernels.fused_update import RULE_UPDATES, default_config
-    from forge_hf.kernels.persistent_launch import launch_persistent
-    from forge_hf.kernels.wide_launch import launch_wide
+    from forge_hf.kernels.launch.persistent_launch import launch_persistent
+    from forge_hf.kernels.launch.wide_launch import launch_wide
+    from forge_hf.kernels.triton.fused_update import RULE_UPDATES, default_config
     stats = torch.zeros(2, device=w.device)
     for _ in range(steps):
         args = pack_args(rule.prepare(group, state.host), state.host["step"], salt, w.device)
@@ -147,7 +147,7 @@ def test_a_block_with_a_non_finite_gradient_is_skipped_and_counted(precision):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the persistent kernel is compiled for Hopper")
 def test_a_fused_layer_takes_the_persistent_kernel(monkeypatch):
-    import forge_hf.kernels.persistent_launch as persistent
+    import forge_hf.kernels.launch.persistent_launch as persistent
     from forge_hf import patch_model
     calls = []  # a fused layer binds its launch once (dispatch.bind_fused_update) and calls that
     call = persistent.PersistentLaunch.__call__
@@ -162,7 +162,7 @@ def test_a_fused_layer_takes_the_persistent_kernel(monkeypatch):
 def test_descriptors_take_the_default_swizzle_of_their_dtype():
     from triton.experimental.gluon import language as gl
 
-    from forge_hf.kernels.persistent_update import tensor_descriptor
+    from forge_hf.kernels.gluon.persistent_update import tensor_descriptor
     for dtype, gl_dtype in [(BF16, gl.bfloat16), (torch.int16, gl.int16), (torch.int8, gl.int8)]:
         d = tensor_descriptor(torch.zeros(128, 192, dtype=dtype))
         assert d.layout == gl.NVMMASharedLayout.get_default_for([64, 64], gl_dtype)
@@ -175,8 +175,8 @@ def test_token_descriptors_from_a_template_equal_tritons_and_keep_no_tensor_aliv
     import gc
     import weakref
 
-    from forge_hf.kernels.persistent_launch import PersistentLaunch
-    from forge_hf.kernels.persistent_update import tensor_descriptor
+    from forge_hf.kernels.gluon.persistent_update import tensor_descriptor
+    from forge_hf.kernels.launch.persistent_launch import PersistentLaunch
 
     launch = object.__new__(PersistentLaunch)  # only the descriptor part: no GPU, no kernel
     launch._token_templates = {}

@@ -1,6 +1,6 @@
 """The stochastic-rounding hash (forge_hf/core/rounding.py): the torch binding against an
 independent pure-Python murmur3 finaliser, the ranges and statistics of its bits, the
-per-layer salts, and the Triton binding (kernels/storage.py) giving the same bits."""
+per-layer salts, and the Triton binding (kernels/triton/bf16_bits.py) giving the same bits."""
 
 import math
 import random
@@ -15,7 +15,7 @@ from forge_hf.core.launch_args import args_words
 from forge_hf.core.rounding import M32, TORCH_HASH, layer_salt, random_bits
 from forge_hf.core.rules import NUM_SCALARS
 from forge_hf.kernels.reference import round_to_bf16
-from forge_hf.kernels.storage import element_hash, slot_bits
+from forge_hf.kernels.triton.bf16_bits import element_hash, slot_bits
 
 # ------------------------------------------- the hash written out again, in plain Python
 

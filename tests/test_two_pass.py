@@ -213,7 +213,7 @@ def test_a_grown_buffer_is_freed_though_a_rule_pass_kept_a_view_of_it():
     preparing it): when the buffer grows, it lets go, and the old buffer is freed."""
     from helpers import adamw_bf16_layer
 
-    from forge_hf.kernels.bound_launch import BoundLaunch
+    from forge_hf.kernels.launch.fused_update_launch import BoundLaunch
 
     w, state, *_ = adamw_bf16_layer("bf16", device="cpu")
     scratch = GradientScratch("cpu")

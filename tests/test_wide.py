@@ -1,5 +1,5 @@
-"""The wide Gluon kernel (kernels/wide_update.py): where it applies, and on a Hopper GPU that
-it gives fused_update.py's kernel's bits.
+"""The wide Gluon kernel (kernels/gluon/wide_update.py): where it applies, and on a Hopper GPU that
+it gives triton/fused_update.py's kernel's bits.
 
 Its 128 x 128 tiles form each gradient entry from the same 64-token wgmma chunks in the same
 order as the 64 x 64 tiles of the other kernels, skip non-finite gradients by the same
@@ -11,13 +11,13 @@ import pytest
 import torch
 from test_persistent import RULES, _hopper, _run, _tensors, assert_same_steps
 
-from forge_hf.kernels.wide_launch import wide_unsupported
+from forge_hf.kernels.launch.wide_launch import wide_unsupported
 
 BF16 = torch.bfloat16
 
 
 def test_what_the_wide_kernel_takes_and_what_stands_in_the_way(monkeypatch):
-    from forge_hf.kernels import wide_launch
+    from forge_hf.kernels.launch import wide_launch
     monkeypatch.setattr(wide_launch, "device_unsupported", lambda device: None)  # the layouts alone
     x, dy, w, state, *_ = _tensors(256, 384, 100)
     slots = state.kernel_slots()

@@ -1,6 +1,6 @@
 """The words of a launch's argument row: the rule's fp32 constants as bit patterns, the step
 count, the layer's rounding salt and its first row, as int32. Every row of launch_args.py
-and step_rows.py holds these words; kernels/tile_step.py reads them back."""
+and step_rows.py holds these words; kernels/triton/tile_step.py reads them back."""
 
 from __future__ import annotations
 

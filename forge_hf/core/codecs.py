@@ -42,7 +42,7 @@ forge_hf 0.1.0 wrote al8 states as a uniform log2 grid with two metadata values 
 (``LEGACY_AL8``): such checkpoints are decoded by that formula and stored again on load.
 
 The arithmetic (``*_encode``/``*_decode``) uses only the free name ``ops``, bound to
-``triton.language`` (with bit casts) by kernels/state_tiles.py and to torch here, like the
+``triton.language`` (with bit casts) by kernels/triton/state_tiles.py and to torch here, like the
 rules' updates.
 """
 

@@ -6,7 +6,7 @@ gives the same bits whatever the tile shape, launch order or data-parallel band.
 
 Like the rules, the functions use only arithmetic and the free name ``ops``: ``ops.mul32``
 (a product modulo 2**32) and the hash's own functions, bound by ``bind_hash`` to Triton
-jit functions (kernels/storage.py) or to int64 tensor arithmetic (``TORCH_HASH`` here).
+jit functions (kernels/triton/bf16_bits.py) or to int64 tensor arithmetic (``TORCH_HASH`` here).
 The hash's constants are the literals below (a bound function sees only ``ops``).
 """
 

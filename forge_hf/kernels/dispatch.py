@@ -1,36 +1,9 @@
-"""Which code performs a layer's fused step: the backend names, and on the GPU the choice
-between the persistent Gluon kernel and the Triton kernel.
-
-Every fused step goes through ``resolve_backend(backend, device)``, which returns a function
-with the contract of ``launch_fused_update``: (x (T, K), dy (T, N), weight (N, K), three
-state slots, the launch's argument tensor, stats, rule name, stochastic).
-
-* ``reference``: kernels/reference.py, PyTorch tile by tile (CPU, and the tests' oracle);
-* ``triton``: the GPU kernels (or Triton's interpreter on CPU tensors under
-  TRITON_INTERPRET=1). On a Hopper GPU a layer the persistent kernel takes (bf16 weight,
-  bf16 or 8-bit states, both dimensions multiples of 64: persistent_launch.py) runs there,
-  being faster with the same bits; from wide_launch.MIN_TOKENS tokens a step, a layer the
-  wide kernel takes (the same states, sides multiples of 128: wide_launch.py) runs on that one,
-  also with the same bits; every other layer runs fused_update.py's kernel.
-  ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on the latter,
-  ``FORGE_HF_KERNEL=persistent`` every layer off the wide kernel;
-* ``auto``: ``triton`` where it can run, else ``reference``.
-
-On ``triton`` a layer's step takes one of two paths, per layer shape:
-
-* ``fused``: the kernels above, the weight gradient formed tile by tile and never stored;
-* ``two_pass``: cuBLAS forms the whole fp32 weight gradient into a scratch buffer shared by
-  every layer on the device, then the rule runs over it (two_pass.py). At thousands of
-  tokens cuBLAS forms the gradient much faster than the fused kernel.
-
-``FORGE_HF_WGRAD`` in the environment (read when a layer's launch is bound) picks it:
-``fused``, ``two_pass``, or ``auto`` (default): on a GPU, the first step at a new shape times
-both paths on copies of the layer's weight and states and keeps the faster for every layer of
-that shape (wgrad_choices() lists the decisions; each is logged once, logger "forge_hf");
-elsewhere (CPU, the interpreter) auto is fused. "Faster" differs by how the step runs: a
-captured step (CUDA graph) costs its GPU time; an eager one costs the larger of its GPU time
-and the host time of its launches, since the GPU waits for launches that come slower than it
-runs them (the two-pass path's GEMM and rule launch take about twice the fused kernel's one).
+"""Which code performs a layer's fused step: the backend (``reference``, ``triton``,
+``auto``), on the GPU the kernel (wide or persistent Gluon kernel where one applies, else the
+Triton kernel; FORGE_HF_KERNEL), and the path (fused, or two-pass: cuBLAS's gradient then the
+rule; FORGE_HF_WGRAD, timed per layer shape under ``auto``). docs/kernels.md explains the
+choices. ``resolve_backend`` and ``bind_fused_update`` return functions with the contract of
+``launch_fused_update``.
 """
 
 from __future__ import annotations
@@ -47,8 +20,8 @@ import torch
 
 from ..core.codecs import QuantisedSlot, storage_kind
 from ..core.launch_args import step_is_captured
-from .bound_launch import BoundLaunch
-from .layer_launch import kernel_choice
+from .launch.fused_update_launch import BoundLaunch
+from .launch.gluon_launch import kernel_choice
 from .reference import reference_fused_update
 from .two_pass import GradientScratch, is_capturing, scratch_for, weight_gradient
 
@@ -72,9 +45,9 @@ log = logging.getLogger("forge_hf")
 
 
 def _kernels():
-    """fused_update.py, imported at the first GPU step: Triton's import is slow, and absent
+    """triton/fused_update.py, imported at the first GPU step: Triton's import is slow, and absent
     on some platforms."""
-    from . import fused_update
+    from .triton import fused_update
 
     return fused_update
 
@@ -167,8 +140,8 @@ def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: 
         return launch
     triton_launch = BoundLaunch(weight, slots, rule_name, stochastic)
     if not _kernels().INTERPRETER:
-        from .persistent_launch import PersistentLaunch, device_unsupported, weight_unsupported
-        from .wide_launch import MIN_TOKENS, WideLaunch, wide_layer_unsupported
+        from .launch.persistent_launch import PersistentLaunch, device_unsupported, weight_unsupported
+        from .launch.wide_launch import MIN_TOKENS, WideLaunch, wide_layer_unsupported
 
         if device_unsupported(weight.device) is None and weight_unsupported(weight, slots) is None:
             rule_update = _kernels().RULE_UPDATES[rule_name]
@@ -377,8 +350,8 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
     runs where one applies, as in _bind_fused."""
     fused_update = _kernels()
     if blocks is None and not options and not fused_update.INTERPRETER:
-        from .persistent_launch import launch_persistent, persistent_unsupported
-        from .wide_launch import MIN_TOKENS, launch_wide, wide_unsupported
+        from .launch.persistent_launch import launch_persistent, persistent_unsupported
+        from .launch.wide_launch import MIN_TOKENS, launch_wide, wide_unsupported
         rule_update = fused_update.RULE_UPDATES[rule_name]
         if x.shape[0] >= MIN_TOKENS and wide_unsupported(x, dy, weight, slots) is None:
             launch_wide(x, dy, weight, slots, args, stats, rule_update, stochastic)
@@ -395,14 +368,6 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
     grid, positional, constexprs = fused_update.fused_launch_arguments(
         x, dy, weight, slots, args, stats, rule_name, stochastic, blocks or config["blocks"])
     fused_update.launch_fused_kernel(grid, positional, constexprs, config)
-
-
-def two_pass_step(x, dy, weight, slots, args, stats, rule_name: str, stochastic: bool,
-                  scratch: GradientScratch | None = None) -> None:
-    """One step of one layer, arguments as launch_fused_update's: the gradient by cuBLAS
-    into ``scratch`` (default: the device's shared buffer, two_pass.py), then the rule over it."""
-    grad = weight_gradient(x, dy, weight, scratch if scratch is not None else scratch_for(weight.device))
-    launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic)
 
 
 def launch_rule_step(grad, weight, slots, args, stats, rule_name, stochastic) -> None:

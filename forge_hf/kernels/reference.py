@@ -1,7 +1,7 @@
 """The same fused step in plain PyTorch, tile by tile: the backend for devices without
 Triton, and the oracle the Triton kernel is tested against.
 
-It mirrors kernels/fused_update.py: identical tiles, fp32 accumulation, the same rule code
+It mirrors kernels/triton/fused_update.py: identical tiles, fp32 accumulation, the same rule code
 object (``ops`` bound to torch), the same non-finite-tile skipping and statistics, and the
 same integer-domain bf16 rounding with the same hash, so stochastic rounding gives the
 same bits on both backends, and the same 8-bit codec arithmetic (core/codecs.py).
@@ -20,7 +20,7 @@ RULE_UPDATES = {name: bind_update(rule, torch) for name, rule in RULES.items()}
 
 def round_to_bf16(x: torch.Tensor, elem: torch.Tensor, salt: int, step: int, slot: int,
                   stochastic: bool) -> torch.Tensor:
-    """fp32 -> bf16 in the integer domain, as kernels/storage.py:fp32_to_bf16_bits."""
+    """fp32 -> bf16 in the integer domain, as kernels/triton/bf16_bits.py:fp32_to_bf16_bits."""
     bits = x.contiguous().view(torch.int32).to(torch.int64) & M32
     if stochastic:
         bits = bits + random_bits(elem, salt, step, slot)
@@ -40,7 +40,7 @@ def reference_fused_update(
     stochastic: bool,
     blocks: tuple[int, int, int] = (64, 64, 64),
 ) -> None:
-    """Same contract as kernels.fused_update.launch_fused_update."""
+    """Same contract as dispatch.launch_fused_update."""
     update = RULE_UPDATES[rule_name]
     args_cpu = args.cpu()
     scalars = args_cpu[:NUM_SCALARS].view(torch.float32).to(weight.device)

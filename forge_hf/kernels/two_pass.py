@@ -1,21 +1,7 @@
-"""The two-pass step of one layer: cuBLAS forms the layer's whole fp32 weight
-gradient G = dY^T X into a scratch buffer, then the fused kernel's rule runs over it in one
-launch (dispatch.two_pass_step: launch_rule_step, the kernel's GRAD_GIVEN mode): the same rule arithmetic,
-rounding, statistics and non-finite tile skipping as the fused step, on a gradient summed in
-another order.
-
-At thousands of tokens the fused kernel forms the gradient much slower than cuBLAS (each of
-its programs runs the whole token loop for one tile); dispatch.bind_fused_update chooses
-between the two paths per layer shape.
-
-The scratch buffer is the only gradient memory: one fp32 buffer per device, grown to the
-largest layer that has taken this path and reused layer after layer. Every launch goes to the
-current stream, so a layer's rule has read the buffer before the next layer's GEMM writes it.
-A CUDA graph records the buffer's address: it must already be large enough when a capture
-uses it (GraphedStep's eager warm-up steps run every layer first, and a layer whose eager
-steps take the fused path but whose captured steps will not reserves its size, grown to
-before the capture: grow_reserved_scratch), a capture that would have to grow it is refused,
-and a buffer a capture has used is kept alive after it is outgrown.
+"""The two-pass path's weight gradient: cuBLAS forms a layer's whole fp32 gradient
+dY^T X into a scratch buffer shared by every layer on the device (GradientScratch), for the
+Triton kernel's rule pass to step from (dispatch.py binds the two). How the buffer grows
+and survives CUDA-graph captures: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Hugging Face's loss casts the whole (tokens x vocabulary) logits to fp32 before 
 cross-entropy, and autograd then holds that copy and its gradient: at 512 tokens and
 Llama-3's 128K vocabulary, 0.25 GiB each, next to a peak that forge has otherwise brought
 down to weights, states and activations. Here the fp32 work is done in registers by the row
-kernels of kernels/cross_entropy.py on a CUDA device (elsewhere by torch, a block of rows at
+kernels of kernels/triton/cross_entropy.py on a CUDA device (elsewhere by torch, a block of rows at
 a time), the gradient is written over the logits (which nothing needs after the loss), and
 nothing is read back to the host, so a CUDA graph can capture it (Liger's cross-entropy
 reads the token count with ``.item()``).
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cross_entropy import row_grad_, row_lse
+from ..kernels.triton.cross_entropy import row_grad_, row_lse
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 24  # fp32 temporaries of one block of rows: 64 MiB
@@ -76,7 +76,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def _on_row_kernels(logits: torch.Tensor) -> bool:
-    """Whether the fused row kernels (kernels/cross_entropy.py) take these logits: on a CUDA
+    """Whether the fused row kernels (kernels/triton/cross_entropy.py) take these logits: on a CUDA
     device, rows contiguous; elsewhere torch's kernels a block of rows at a time."""
     return ROW_KERNELS and logits.is_cuda and logits.stride(1) == 1
 

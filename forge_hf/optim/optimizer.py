@@ -21,10 +21,10 @@ from ..core.launch_args import next_launch_args, release_held_args
 from ..core.rounding import layer_salt
 from ..core.rules import get_rule, make_group
 from ..core.state import ForgeState
-from ..kernels.bound_launch import BoundLaunch
 from ..kernels.dispatch import resolve_backend
-from ..kernels.multi_tensor import MultiTensorRulePass, batch_kind
+from ..kernels.launch.fused_update_launch import BoundLaunch
 from ..kernels.reference import reference_fused_update, reference_rule_rows
+from ..kernels.triton.multi_tensor import MultiTensorRulePass, batch_kind
 from ..nn.linear import FusedWeightMixin
 from .fsdp import enable_fsdp, fsdp_needed, param_shards
 
@@ -119,7 +119,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._device = named[0][1].device
         # the fused layers' backend steps the non-fused tensors too, on a GPU without
         # whole-tensor PyTorch temporaries: the small 1-d ones (norms, biases) in one launch
-        # (kernels/multi_tensor.py), the others (embeddings, unfused layers) one launch each
+        # (kernels/triton/multi_tensor.py), the others (embeddings, unfused layers) one launch each
         self._kernel = resolve_backend(first.forge_backend, self._device) is not reference_fused_update
         self._nonfinite = torch.zeros((), device=self._device)
         self._launches: dict[torch.Tensor, tuple] = {}  # non-fused tensor -> (its layout, its BoundLaunch)
@@ -319,7 +319,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return stats
 
     def _launch_for(self, p, w, slots, shape) -> BoundLaunch:
-        """``p``'s bound rule pass (kernels/bound_launch.py) on ``w`` and its slots, viewed as
+        """``p``'s bound rule pass (kernels/launch/fused_update_launch.py) on ``w`` and its slots, viewed as
         ``shape`` if given, made again when the weight or a state slot moved (a load, an
         allocation, ``model.to``)."""
         key = (shape, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype,

@@ -1,11 +1,7 @@
-"""Launching a compiled Triton or Gluon kernel without the JIT's per-call dispatch.
-
-Triton's JIT dispatch costs ~60 us of host time a launch (it re-derives the kernel's
-specialisation from every argument); a step launches a few hundred kernels and the GPU
-would wait on the host. Once compiled, a kernel is launched again without it
-(direct_launch.py), keyed by what Triton specialises on: dtypes, 16-byte alignment of
-pointers, and for integers whether they are 1 or multiples of 16 (a TMA descriptor: its
-tensor's dtype; its block shape and layout are fixed by the caller).
+"""Launching a compiled Triton or Gluon kernel again without the JIT's per-call dispatch
+(generic: any kernel): ``launch_compiled`` compiles once per specialisation (dtypes, pointer
+alignment, integers' divisibility) and returns a relauncher, direct_launch.py's where it
+applies. Why: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""When and how the persistent Gluon kernel (persistent_update.py) runs a layer's step.
-
-It runs where it applies (bf16 weights; bf16, int8 or al8 states): on Llama-3.1-8B's linears at
-512 tokens it takes about 12% less time than fused_update.py's kernel, with the same bits
-(docs/performance.md). ``FORGE_HF_KERNEL=triton`` in the environment keeps every layer on
-fused_update.py's; ``FORGE_HF_KERNEL=persistent`` keeps layers off the wide kernel.
+"""When and how the persistent Gluon kernel (gluon/persistent_update.py) runs a layer's step:
+which layers and tokens it takes, its launch arguments, its grid. ``FORGE_HF_KERNEL=triton``
+keeps every layer on triton/fused_update.py's kernel; ``FORGE_HF_KERNEL=persistent`` keeps
+layers off the wide kernel.
 """
 
 from __future__ import annotations
@@ -11,8 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..gluon.persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
 from .compiled import launch_compiled
-from .layer_launch import (
+from .gluon_launch import (
     LayerLaunch,
     device_unsupported,
     multiprocessors,
@@ -20,7 +19,6 @@ from .layer_launch import (
     tokens_unsupported,
     weight_layout_unsupported,
 )
-from .persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
 
 NUM_BUF = 5  # ring slots a lane: 4 -> 5 was 49.3 -> 48.1 ms; 6 does not fit shared memory
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 12 warps: 8 consumers, 2 producers (a warpgroup)
@@ -68,7 +66,7 @@ def launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic
 
 
 class PersistentLaunch(LayerLaunch):
-    """One layer's launches of the persistent kernel (layer_launch.py): its weight's and
+    """One layer's launches of the persistent kernel (gluon_launch.py): its weight's and
     states' descriptors and the states' metadata fixed."""
 
     kernel = persistent_update_kernel

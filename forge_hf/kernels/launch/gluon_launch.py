@@ -1,12 +1,8 @@
-"""What both Gluon kernels (persistent_launch.py, wide_launch.py) need of a device, a
-weight and its tokens, and one layer's launches of either.
-
-Both take (x's descriptor, dy's descriptor, the weight's and states' arguments,
-args, stats, N, K, T). What stays the same from step to step is built once: the weight's and
-states' arguments (their descriptors encoded once where the kernel is launched directly,
-direct_launch.py), the constexprs, the grid. A step then finds or encodes the descriptors of
-its tokens and launches. ``weight`` and ``slots`` must stay where they are (the caller
-rebinds when a state is allocated or loaded).
+"""What both Gluon kernels (gluon/persistent_update.py, gluon/wide_update.py) need of a
+device, a weight and its tokens (the FORGE_HF_KERNEL switch among it), and one layer's
+launches of either (LayerLaunch): the weight's and states' arguments bound once, the tokens'
+descriptors kept by address (docs/kernels.md). ``weight`` and ``slots`` must stay where they
+are (the caller rebinds when a state is allocated or loaded).
 """
 
 from __future__ import annotations
@@ -16,8 +12,8 @@ import os
 
 import torch
 
-from ..core import codecs
-from ..core.codecs import QuantisedSlot, storage_kind
+from ...core import codecs
+from ...core.codecs import QuantisedSlot, storage_kind
 from .compiled import int_spec, launch_compiled, tensor_spec
 from .direct_launch import DirectLauncher
 
@@ -29,7 +25,7 @@ _TOKEN_PLACES = 16  # token descriptors a layer keeps encoded (a few places a st
 
 def kernel_choice() -> str:
     """FORGE_HF_KERNEL: ``auto`` (default, also when empty), ``persistent`` (never the wide
-    kernel) or ``triton`` (only fused_update.py's kernel)."""
+    kernel) or ``triton`` (only triton/fused_update.py's kernel)."""
     choice = os.environ.get(KERNEL_ENV) or "auto"
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: choose one of {list(KERNEL_CHOICES)}")

@@ -1,9 +1,7 @@
-"""Triton: load and store one optimizer-state tile in its storage (fp32, bf16, absmax8, al8).
-
-An 8-bit tile (BLOCK_N, BLOCK_K) is viewed as (BLOCK_N, BLOCK_K // 64, 64), so each codec
-block is one row of the last axis and its statistics are one reduction. The codec
-arithmetic is core/codecs.py's, bound to triton.language here. Metadata is addressed
-by block index ``(column // 64) * out_features + row`` (codecs.meta_strides).
+"""Triton: load and store one optimizer-state tile in its storage kind (fp32, bf16, absmax8,
+al8: codecs.storage_kind), core/codecs.py's arithmetic bound to triton.language. An 8-bit
+tile (BLOCK_N, BLOCK_K) is viewed as (BLOCK_N, BLOCK_K // 64, 64), a codec block a row of the
+last axis; metadata index ``(column // 64) * out_features + row`` (codecs.meta_strides).
 """
 
 import struct
@@ -12,9 +10,9 @@ import types
 import triton
 import triton.language as tl
 
-from ..core import codecs
-from ..core.rules import bind_ops
-from .storage import decode_value, load_tile, store_value
+from ...core import codecs
+from ...core.rules import bind_ops
+from .bf16_bits import decode_value, load_tile, store_value
 
 NONE = tl.constexpr(codecs.NONE)
 FP32 = tl.constexpr(codecs.FP32)
@@ -67,7 +65,7 @@ def _min_positive(b, axis: tl.constexpr):
 # the bit casts the codecs use, and triton.language for the rest, looked up at each use (the
 # interpreter patches triton.language's functions while it runs a kernel); a jit function may
 # read a module's attributes
-_ops = types.ModuleType("forge_hf.kernels.state_tiles.codec_ops")
+_ops = types.ModuleType("forge_hf.kernels.triton.state_tiles.codec_ops")
 _ops.__getattr__ = lambda name: getattr(tl, name)
 _ops.bits, _ops.from_bits, _ops.to_float, _ops.to_int = _bits, _from_bits, _to_float, _to_int
 _ops.min_positive, _ops.high_bits, _ops.unsigned_min = _min_positive, _high_bits, _unsigned_min

@@ -1,9 +1,7 @@
-"""Triton helpers for how weights and states are stored: fp32, or bf16 as raw 16-bit patterns.
-
-bf16 values travel as int16 bit patterns and are rounded in the integer domain. That
-makes rounding explicit (round-to-nearest-even or stochastic, paper §2.3 / Appendix C)
-and identical on the GPU and in the CPU interpreter, whose own fp32->bf16 casts
-truncate. The random bits are core/rounding.py's hash, bound here to Triton.
+"""Triton: bf16 values as raw 16-bit patterns (int16), their fp32 <-> bf16 conversion with
+explicit rounding (to nearest even, or stochastic: paper §2.3 / Appendix C), the same on the
+GPU and in the interpreter, and core/rounding.py's hash bound to Triton for the random bits.
+Loading and storing tiles of fp32 values or bf16 bits.
 """
 
 import types
@@ -11,7 +9,7 @@ import types
 import triton
 import triton.language as tl
 
-from ..core import rounding
+from ...core import rounding
 
 
 @triton.jit
@@ -21,7 +19,7 @@ def _mul32(h, c):
 
 # core/rounding.py's hash bound to Triton (a module: the only kind of global namespace a
 # jit function may read attributes of): element_hash and slot_bits on uint32 tensors.
-_ops = types.ModuleType("forge_hf.kernels.storage.hash_ops")
+_ops = types.ModuleType("forge_hf.kernels.triton.bf16_bits.hash_ops")
 _ops.mul32 = _mul32
 HASH = rounding.bind_hash(_ops, triton.jit, tl=tl)
 element_hash, slot_bits = HASH.element_hash, HASH.slot_bits

@@ -1,18 +1,14 @@
-"""Triton: the fused weight-gradient + optimizer step of one linear layer (paper §2.2, Alg. 1).
-
-One program owns one (BLOCK_N x BLOCK_K) tile of the weight. It accumulates the tile's
-gradient G = dY[:, rows]^T X[:, cols] over the token axis in fp32 registers, applies the
-rule's element-wise update to the tile, and stores only the weight and state tiles. No
-gradient-sized tensor exists. A tile whose gradient is not finite is not written; the
-kernel counts it and adds each good tile's squared gradient sum (for grad-norm logging)
-into ``stats``.
+"""Triton: the fused weight-gradient + optimizer step of one linear layer (paper §2.2, Alg. 1),
+one program a (BLOCK_N x BLOCK_K) weight tile, no gradient-sized tensor (docs/kernels.md);
+and the host side of its launch (default_config, fused_launch_arguments).
 
 Shapes: x (T, K), dy (T, N), weight/states (N, K) through arbitrary strides, so a
 transposed (Conv1D) weight needs no copy. 8-bit states add fp32 metadata (N, KB, width),
 KB = ceil(K / 64), stored block column by block column (codecs.meta_strides). ``args`` is
 int32: NUM_SCALARS fp32 bit patterns of the rule's constants, then the step, the rounding
 salt and the index of the weight's first row in the whole weight (the rounding bits follow
-the whole weight).
+the whole weight). ``stats`` (fp32, 2): the applied tiles' squared gradient sum, and the
+count of tiles skipped for a non-finite gradient.
 """
 
 from __future__ import annotations
@@ -23,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core import codecs
-from ..core.codecs import QuantisedSlot, storage_kind
-from ..core.rules import RULES, bind_update
-from .compiled import launch_compiled
+from ...core import codecs
+from ...core.codecs import QuantisedSlot, storage_kind
+from ...core.rules import RULES, bind_update
+from ..launch.compiled import launch_compiled
+from .bf16_bits import decode_value, element_hash, load_tile, store_value
 from .state_tiles import NONE, block_index, decode_state, load_meta, load_state_raw, store_state
-from .storage import decode_value, element_hash, load_tile, store_value
 from .tile_step import finite_sumsq, load_step_args
 
 # The interpreter multiplies bf16 bit patterns as integers in tl.dot: upcast there.

@@ -1,6 +1,6 @@
-"""When and how the wide Gluon kernel (wide_update.py) runs a layer's step: a bf16 weight with
-bf16, 8-bit or absent states, both dimensions multiples of 128, on a Hopper GPU, from MIN_TOKENS
-tokens a step (below, the persistent kernel is the faster)."""
+"""When and how the wide Gluon kernel (gluon/wide_update.py) runs a layer's step: a bf16 weight
+with bf16, 8-bit or absent states, both dimensions multiples of 128, on a Hopper GPU, from
+MIN_TOKENS tokens a step (below, the persistent kernel is the faster)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import functools
 import torch
 import triton
 
+from ..gluon.wide_update import CHUNK_SIZE, TILE_SIZE, wide_update_kernel
 from .compiled import launch_compiled
-from .layer_launch import (
+from .gluon_launch import (
     KERNEL_ENV,
     LayerLaunch,
     device_unsupported,
@@ -20,7 +21,6 @@ from .layer_launch import (
     tokens_unsupported,
     weight_layout_unsupported,
 )
-from .wide_update import CHUNK_SIZE, TILE_SIZE, wide_update_kernel
 
 NUM_BUF = 4  # ring slots of 32 KB; with the 64 KB staging buffer, 192 of the 227 KB
 MMA_REGS, PRODUCER_REGS, MAXNREG = 168, 40, 128  # 16 warps: 8 epilogue, 4 MMA, a producer (a warpgroup)
@@ -78,7 +78,7 @@ def launch_wide(x, dy, weight, slots, args, stats, rule_update, stochastic) -> N
 
 
 class WideLaunch(LayerLaunch):
-    """One layer's launches of the wide kernel (layer_launch.py): its weight, states and their
+    """One layer's launches of the wide kernel (gluon_launch.py): its weight, states and their
     metadata fixed."""
 
     kernel = wide_update_kernel

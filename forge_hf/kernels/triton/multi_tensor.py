@@ -1,12 +1,6 @@
 """Triton: the rule's pass over many small 1-d tensors in one launch (ForgeOptimizer's norms
-and biases: a hundred of them in a decoder, each a launch of its own otherwise).
-
-Each tensor is a row of an int64 table (its weight, gradient, state slots and argument row
-as addresses, and its length); each program steps ``TILES`` consecutive 64-element tiles of
-one tensor, the work list saying which. The arithmetic is the fused kernel's rule pass on a
-(1, n) view, element by element: the same rule code, the same rounding bits (an element's
-index in its tensor, its tensor's salt and step), and a tile of 64 elements skipped and
-counted alone when its gradient is not finite.
+and biases), from an int64 table of their addresses and a work list of 64-element tiles; the
+fused kernel's rule pass on a (1, n) view, with its bits (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -16,13 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core import codecs
-from ..core.codecs import storage_kind
-from ..core.pinned_ring import PinnedRing, StreamOrder
-from .compiled import launch_compiled
+from ...core import codecs
+from ...core.codecs import storage_kind
+from ...core.pinned_ring import PinnedRing, StreamOrder
+from ..launch.compiled import launch_compiled
+from .bf16_bits import decode_value, element_hash, store_value
 from .fused_update import INTERPRETER, RULE_UPDATES, compile_options
 from .state_tiles import FP32, NONE, decode_state, store_state
-from .storage import decode_value, element_hash, store_value
 from .tile_step import load_step_args
 
 TILE = 64  # elements a tile: a 1-d tensor's tile in the fused kernel's (1, n) view

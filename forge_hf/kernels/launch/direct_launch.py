@@ -1,20 +1,6 @@
-"""A compiled kernel launched straight through the C function Triton generated for it.
-
-Triton's launch of a compiled kernel runs three layers of Python before its C launcher:
-the runner (device, stream, a launch-metadata dict for the profiling hooks), the
-launcher object (scratch allocations), and, for a kernel taking TMA descriptors, a
-wrapper that encodes every descriptor again at every call (a ``cuTensorMapEncodeTiled``
-from Python each). A fused layer launches a few of these each step; the persistent
-kernel's six descriptors made its launch the largest part of a layer's host time.
-
-``direct_launcher`` reads, from a compiled kernel, the C launcher and the metadata of its
-descriptors, and launches with them: descriptors can be expanded once and passed
-expanded (``DirectLauncher.expand``), so a caller whose weight and states stay where they
-are encodes theirs once. It is used where it can be checked: the layout of Triton 3.6's
-CUDA launcher (its argument format and its descriptor wrapper's names), no global or
-profiling scratch, one CTA a program; and per call, no launch hook registered (a profiler
-such as Proton: the ordinary path then runs, which calls it). Anywhere else it returns
-None and callers launch through Triton as before.
+"""A compiled kernel launched straight through the C function Triton generated for it
+(generic: any kernel), its TMA descriptors expandable once by the caller; None where Triton's
+launcher has not the layout this reads. What it skips and when it applies: docs/kernels.md.
 """
 
 from __future__ import annotations

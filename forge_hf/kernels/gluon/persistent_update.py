@@ -1,24 +1,8 @@
-"""Gluon (Hopper): the fused step of one linear layer as a persistent, warp-specialised kernel.
-
-Same arithmetic and the same rounding bits as fused_update.py's kernel, on another
-schedule. One program per multiprocessor runs two lanes; a lane owns every
-(2 x programs)-th 64 x 64 block of the weight and is two partitions:
-
-* a producer warp issuing TMA copies: the 64-token chunks of dy and x into a ring of
-  NUM_BUF buffers, and the weight and state blocks its lane's epilogue will read;
-* a consumer warpgroup: the block's gradient by wgmma over the chunks (fp32 registers,
-  one MMA in flight), then the rule on those registers; the new blocks are written back
-  into the buffers they came in and copied out by TMA.
-
-While one lane runs its epilogue, the other's MMAs and both producers' copies go on: the
-overlap a program that owns one block from start to end cannot get (docs/performance.md
-has the measurements behind each choice). A block whose squared gradient
-sum is not finite is not written; it is counted, others add their sum to ``stats``.
-
-Covers the common case (persistent_launch.py says which): a bf16 weight with bf16, int8 or al8
-(core/codecs.py) or absent states in its row-major layout, N and K multiples of 64 (an 8-bit
-slot's codec blocks are then the blocks' rows), bf16 x and dy, a Hopper GPU.
-fused_update.py's kernel serves everything else.
+"""Gluon (Hopper): the fused step of one linear layer as a persistent, warp-specialised kernel
+on 64 x 64 blocks, two lanes a program (producer warp: TMA copies; consumer warpgroup: wgmma,
+then the rule on the accumulator). Same arithmetic and rounding bits as
+triton/fused_update.py's kernel; launch/persistent_launch.py says which layers it takes.
+Design: docs/kernels.md.
 """
 # no `from __future__ import annotations`: the aggregate checks its field types at run time
 
@@ -34,8 +18,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .chunk_ring import fill_chunks, multiply_chunks, tma_load
-from .state_tiles import (
+from ..triton.bf16_bits import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
+from ..triton.state_tiles import (
     ABSMAX8,
     AL8,
     BF16,
@@ -47,8 +31,8 @@ from .state_tiles import (
     log_decode,
     log_encode,
 )
-from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
-from .tile_step import finite_sumsq, load_step_args
+from ..triton.tile_step import finite_sumsq, load_step_args
+from .chunk_ring import fill_chunks, multiply_chunks, tma_load
 
 # TMA stores: Triton 3.6's name, renamed async_store in later releases
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global

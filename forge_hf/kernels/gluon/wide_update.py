@@ -1,23 +1,7 @@
 """Gluon (Hopper): the fused step of one linear layer at thousands of tokens, on 128 x 128
-tiles whose epilogue runs beside the next tile's GEMM.
-
-At 2048 tokens and more the weight gradient's GEMM is most of the step, and there the
-persistent kernel (persistent_update.py) runs at under half cuBLAS's rate: its 64 x 64 tiles
-read two 64-wide chunks for every 64 x 64 x 64 products, twice what a 128 x 128 tile reads
-per product. A 128 x 128 tile's fp32 accumulator (128 registers a thread of one warpgroup)
-leaves no room for the rule's operands, so the work is split three ways in one program per
-multiprocessor:
-
-* a producer warp: TMA copies of the 64-token chunks of dy and x into a ring;
-* an MMA warpgroup: the tile's gradient by wgmma over the chunks, then the accumulator
-  and its 64 x 64 blocks' squared sums into a shared staging buffer, and on to the next tile;
-* two epilogue warpgroups (the default partition): the staged gradient 64 x 64 block by
-  block, the weight and states straight from memory, the rule, the rounding, the stores.
-
-A 64 x 64 block whose squared gradient sum is not finite is not written and is counted,
-as in the other kernels, so all give the same bits. Covers a bf16 weight with bf16, 8-bit
-(int8, al8: each 64-column row of a block is a codec block) or absent states in its
-row-major layout, N and K multiples of 128, bf16 x and dy (wide_launch.py says which).
+tiles whose epilogue runs beside the next tile's GEMM (a producer warp, an MMA warpgroup
+staging each tile's gradient in shared memory, two epilogue warpgroups). Same bits as the
+other kernels; launch/wide_launch.py says which layers it takes. Design: docs/kernels.md.
 """
 # no `from __future__ import annotations`: the aggregate checks its field types at run time
 
@@ -26,8 +10,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-from .chunk_ring import fill_chunks, multiply_chunks
-from .state_tiles import (
+from ..triton.bf16_bits import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
+from ..triton.state_tiles import (
     AL8,
     BF16,
     NONE,
@@ -38,8 +22,8 @@ from .state_tiles import (
     log_decode,
     log_encode,
 )
-from .storage import bf16_bits_to_fp32, element_hash, fp32_to_bf16_bits
-from .tile_step import applicable, load_step_args
+from ..triton.tile_step import applicable, load_step_args
+from .chunk_ring import fill_chunks, multiply_chunks
 
 # Triton 3.6's name, renamed in later releases
 partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the calling partition's warps

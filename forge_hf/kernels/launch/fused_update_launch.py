@@ -1,10 +1,6 @@
-"""fused_update.py's kernel launched again and again for one tensor whose weight and state
-slots stay where they are: the validation, pointers, grid and constexprs of
-fused_launch_arguments are prepared at a call whose arguments Triton specialises in a new way,
-and every later call puts only its own tensors (tokens or gradient, arguments, statistics)
-into the prepared list and launches the kernel compiled for it. Building the arguments and
-Triton's dispatch took about 150 us of host time a launch; a step launches one per stepped
-tensor.
+"""triton/fused_update.py's kernel bound to one tensor whose weight and state slots stay where
+they are (BoundLaunch): its launch arguments prepared once per specialisation, each call then
+filling in its tokens (or gradient), arguments and statistics (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ class BoundLaunch:
         # last call's launch is kept and repeated for them without preparing it again
         self.keep_last = keep_last
         self._last = None
-        from . import fused_update  # here, not at import: Triton's import is slow (dispatch.py)
+        from ..triton import fused_update  # here, not at import: Triton's import is slow (dispatch.py)
 
         self._kernels = fused_update
         # per specialisation of the changing arguments: (grid, fixed pointers, constexprs,
