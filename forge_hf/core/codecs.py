@@ -4,7 +4,7 @@ A quantised state is stored as weight-shaped 8-bit codes plus fp32 metadata for 
 of ``BLOCK`` = 64 contiguous elements of a row (the in_features axis). Since the kernel's
 BLOCK_K is a multiple of 64, every block lies inside one tile, and a tile re-quantises its
 own blocks in registers. Metadata is laid out (out_features, ceil(in_features / 64),
-meta_width) in logical coordinates, whatever the parameter's storage orientation (Conv1D).
+meta_width) in logical coordinates, whatever the parameter's layout (Conv1D's is transposed).
 
 * ``absmax8``: symmetric absmax int8 (paper §2.3 and Appendix B; the quantisation seed's
   UF8): scale s = absmax / 127 per block, code round(x * (127 / absmax)) in [-127, 127]

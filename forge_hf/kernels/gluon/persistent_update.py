@@ -269,7 +269,7 @@ def persistent_update_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, s2_desc,
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * NUM_BUF] + x_desc.block_type.shape, x_desc.layout)
     dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [2 * NUM_BUF] + dy_desc.block_type.shape, dy_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2] + w_desc.block_type.shape, w_desc.layout)
-    # the state slots share a storage (bf16 bits or 8-bit codes): the first present one's
+    # the state slots share one dtype (bf16 bits or 8-bit codes): the first present one's
     if S0 != NONE:
         s_desc = s0_desc
     elif S1 != NONE:
