@@ -1,49 +1,11 @@
 """8-bit optimizer-state codecs, written once for both backends.
 
-A quantised state is stored as weight-shaped 8-bit codes plus fp32 metadata for each block
-of ``BLOCK`` = 64 contiguous elements of a row (the in_features axis). Since the kernel's
-BLOCK_K is a multiple of 64, every block lies inside one tile, and a tile re-quantises its
-own blocks in registers. Metadata is laid out (out_features, ceil(in_features / 64),
-meta_width) in logical coordinates, whatever the parameter's layout (Conv1D's is transposed).
-
-* ``absmax8``: symmetric absmax int8 (paper §2.3 and Appendix B; the quantisation seed's
-  UF8): scale s = absmax / 127 per block, code round(x * (127 / absmax)) in [-127, 127]
-  (to nearest, ties to even), error <= s / 2 (up to fp32 rounding of the two factors).
-* ``absmax8_floored``: absmax8 for a state that is never negative (int8 second moments): a
-  positive value keeps at least code 1, so 1/sqrt(v) never meets a zero that was not
-  there (Appendix B). Such values err by up to one step instead of half.
-* ``al8``: an adaptive log code (the quantisation seed's §4) for never-negative states, on
-  the float's own bit pattern: a positive float's bits, read as an integer, are a
-  piecewise-linear log2 of it (exact at powers of two, linear in between). Per block, codes
-  0..254 are the grid base + code * 2**shift over the bits of its positive values, from the
-  smallest, with the smallest shift (5..24) whose 252 steps span the largest; code 255 is
-  exact zero. A grid step is 2**(shift - 23) of the value or less (from 2**(shift - 24) at
-  the top of a binade), the same at every magnitude to a factor of two. Up to shift 23
-  (blocks spanning up to 252 binades) 2**shift divides a binade's 2**23, so every binade
-  starts on a grid point: between two codes the value is linear in the bits, and adding
-  random bits below the shift rounds unbiasedly in value. Encoding and decoding are integer
-  operations (no log2 or exp2: the kernels' time follows their instructions), and the
-  metadata is one word a block, base | shift, kept in the fp32 metadata tensor as bits.
-  A positive value stays positive, except a subnormal one (below 2**-126) in a block whose
-  grid starts at zero; one of 2**127 or more may round up to infinity.
-  Against the seed's uniform log2 grid (forge_hf 0.1.0's al8) the steps are up to about
-  twice as coarse (a power of two, and linear within a binade): on synthetic AdamW second
-  moments the update error of storing them grows 1.5-1.8x, still a small fraction of
-  absmax8's (tests/test_quantization.py).
-
-absmax codes round to nearest: Appendix B's argument needs it, and on a 1000-step EMA
-stochastic codes drifted more (momentum 1.15 vs 0.78 steps RMS). al8 codes round
-stochastically, unbiased in value, when the layer's rounding is "stochastic": with
-beta2 = 0.999 a step of v is far below half a code, so round-to-nearest only ever moves v
-up on gradient spikes: v ratcheted 7% high in that test (0.1% with stochastic codes).
-Rounding takes the element's 32-bit hash (``HALF_WORD`` for round-to-nearest).
-
-forge_hf 0.1.0 wrote al8 states as a uniform log2 grid with two metadata values a block
-(``LEGACY_AL8``): such checkpoints are decoded by that formula and stored again on load.
-
-The arithmetic (``*_encode``/``*_decode``) uses only the free name ``ops``, bound to
-``triton.language`` (with bit casts) by kernels/triton/state_tiles.py and to torch here, like the
-rules' updates.
+``absmax8`` (symmetric absmax int8), ``absmax8_floored`` (the same for never-negative
+states: a positive value keeps at least code 1) and ``al8`` (an adaptive log code on the
+float's own bits, code 255 exact zero), each over blocks of ``BLOCK`` = 64 elements of a row
+with fp32 metadata a block. The arithmetic uses only the free name ``ops``, bound to
+``triton.language`` in kernels/triton/state_tiles.py and to torch here, like the rules' updates. The design,
+its rounding and the legacy al8 format: docs/architecture.md, "8-bit state codes".
 """
 
 from __future__ import annotations

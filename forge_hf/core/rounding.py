@@ -1,4 +1,4 @@
-"""The random bits of stochastic rounding, written once for both backends (paper Appendix C).
+"""The random bits of stochastic rounding, written once for both backends (the FORGE paper, Appendix C).
 
 A cheap integer hash of (element index, step, layer salt): one murmur3 finaliser per
 element gives two stored tensors 16 bits each, a second mix the next two, so a seed always

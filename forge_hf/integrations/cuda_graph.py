@@ -1,21 +1,11 @@
 """CUDA graphs inside ForgeTrainer: ``optim_args="cuda_graph=auto|true|false"``.
 
-A forge step launches a few hundred small kernels from Python; at the batch sizes that fit a
-big model the host cannot queue them as fast as the GPU runs them. With the graph on, once
-three batches in a row have had the same shapes, the training step (forward, backward with
-the fused updates, ForgeOptimizer.step) is captured by optim/graphs.GraphedStep and
-replayed for every later batch of those shapes; the Trainer's own ``optimizer.step()`` then
-has nothing left to do. Everything else the Trainer does between steps (logging, the LR
-scheduler, evaluation, checkpoints, callbacks) runs as usual: the replay reads the learning
-rate and step counts afresh each time. With ``torch_compile=True`` the step captured is the
-compiled one: the compiled model's kernels and forge's, replayed together.
-
-``auto`` (the default) captures on a CUDA device where the step can be captured and says
-once, in a warning, why not where it cannot; ``true`` refuses to train eagerly, naming the
-reason; ``false`` never captures. A batch of other shapes (the last, shorter batch of an
-epoch) runs eagerly; a second such batch in a row, or no three batches of one shape in a row
-among the first eight, means the shapes vary (a collator that pads to the longest sequence of
-each batch): the graph is released, or never captured, for the rest of the run.
+Once three batches in a row have had the same shapes, the training step is captured by
+optim/graphs.GraphedStep and replayed for every later batch of those shapes. ``auto`` (the
+default) captures on a CUDA device where the step can be captured and warns once why not;
+``true`` refuses to train eagerly; ``false`` never captures. Varying shapes release the
+graph for the rest of the run. The design: docs/architecture.md, "CUDA graphs in the
+Trainer".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a fused layer's backward does the same way eagerly (nn/linear.py) and under
 torch.compile (nn/compiled_linear.py): refuse a second backward through a step already
-taken, and form dX from the weight before this step's update (paper Remark 1)."""
+taken, and form dX from the weight before this step's update (the FORGE paper, Remark 1)."""
 
 from __future__ import annotations
 

@@ -1,39 +1,10 @@
 """The fused layer as torch.library custom ops, so torch.compile traces a patched model
 without a graph break and compiles its own ops (norms, rotary, SwiGLU, residuals) around
-forge's step.
-
-Under ``torch.compiler.is_compiling()`` a fused layer's forward is one call of
-
-* ``forge_hf::fused_linear(x, anchor, bias, n_out) -> (y, tag)``, whose autograd formula
-  calls
-* ``forge_hf::fused_linear_backward(x, dy, anchor, tag, need_dx) -> (dx, d_anchor)``: dX
-  from the weight before its update, then the layer's fused step (``forge_consume_gradient``).
-
-Both run as opaque Python when the compiled graph runs, so the bookkeeping that cannot be
-traced happens there: the forward notes the call (data-parallel row wait and token
-count), the backward checks the layer's consumers and steps it. The eager path
-(FusedWeightFunction) is unchanged.
-
-Why the graph stays correct:
-
-* The weight is never a tensor of the traced graph: the ops read it through the layer, as
-  FusedWeightFunction does. No traced op reads or writes it, so nothing can be reordered
-  around its in-place update, and the compiled graph hands it no (empty) gradient, which
-  would run its post-accumulate-grad hook as if another consumer had produced one.
-* ``anchor`` is the layer's empty leaf that requires grad (``new_anchor``): it keeps the
-  output in the autograd graph when neither x nor the bias needs a gradient, as in eager,
-  and the ops find their layer by it. Being an input of the graph rather than a constant,
-  it leaves compiled code shared by layers of one shape (regional compilation, a second
-  model of the same class) as for plain linears.
-* The backward op's second output is the anchor's (empty) gradient, an output of the
-  compiled backward: the compiler cannot drop the call when dx is unused (first layer, no
-  bias), which would silently leave the weight unstepped.
-* ``tag`` is a fresh empty tensor per forward call, saved for backward and freed with the
-  autograd graph: a backward that finds another live tag of its layer knows the module
-  was called more than once (the eager path asks the autograd nodes) and falls back
-  before stepping.
-* Both ops carry ``cudagraph_unsafe``: their host-side work (state allocation, launch
-  arguments read at each step) must run at each step, not be replayed from a capture.
+forge's step: ``forge_hf::fused_linear`` and ``forge_hf::fused_linear_backward`` (dX from
+the weight before its update, then the layer's fused step), run as opaque Python by the
+compiled graph. The eager path (FusedWeightFunction) is unchanged. Why the graph stays
+correct (the weight outside the graph, the anchor, the tag, ``cudagraph_unsafe``):
+docs/architecture.md, "torch.compile: the fused layer as custom ops".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""Exact FORGE under data parallelism (paper §4).
+"""Exact FORGE under data parallelism (the FORGE paper, §4).
 
-A rank's partial gradient cannot be fused exactly (paper Prop. 2), but the full gradient
-is G = dY_all^T X_all, where dY_all and X_all are the token-axis all-gathers of every
-rank's saved input and output gradient. Each fused layer therefore gathers its
-activations in backward instead of reducing a weight gradient, and:
-
-* ``mode="replicated"``: every rank applies the identical update to the whole weight;
-* ``mode="sharded"`` (default): rank r owns a contiguous band of tile rows, keeps the
-  optimizer state of those rows only, updates them, and the updated rows are all-gathered
-  (asynchronously, on a communicator of their own; the layer waits before it next reads
-  the weight) - ZeRO-like.
-
-Ranks are concatenated in rank order along the token axis, so the gradient is the one a
-single process sees for the concatenated batch. Each rank's loss is a mean over its own
-batch (as under DDP), so the gathered output gradient is divided by the world size, as
-DDP's all-reduce averages.
-
-Non-fused parameters keep DDP's ordinary all-reduce: ``enable_data_parallel`` lists the
-fused weights in ``model._ddp_params_and_buffers_to_ignore``, which DDP reads when it
-wraps the model (so call it first).
+Each fused layer all-gathers its saved input and output gradient over the ranks in backward
+instead of reducing a weight gradient, and steps with the full gradient:
+``mode="replicated"`` on every rank, or ``mode="sharded"`` (default) each rank its band of
+rows and their states, the updated rows all-gathered. Non-fused parameters keep DDP's
+all-reduce (``enable_data_parallel`` before wrapping in DDP). The design:
+docs/architecture.md, "Data parallelism".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """FORGE inside FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-FSDP2 shards every parameter by rows (``Shard(0)``, torch.chunk's layout: rank r holds
-rows [r*ceil(N/W), ...), the last ranks fewer or none), which is forge's band of rows in
-data-parallel ``mode="sharded"``. So a fused layer under ``fully_shard`` does what a
-sharded data-parallel layer does, with FSDP2's shard in place of the band:
-
-* forward and backward read the weight FSDP2 all-gathered, as for any module; dX is formed
-  from that copy, the weight before this step;
-* backward gathers the layer's tokens (input and output gradient) across the shard group
-  (optim/distributed.py's TokenGather), forms the gradient of this rank's rows only and
-  steps its local shard and the state of those rows, in place; nothing is shared after the
-  step: FSDP2 all-gathers the updated shards at the next forward;
-* the fused weights never hold a gradient, so FSDP2 reduce-scatters none for them; the
-  other parameters (embeddings, norms, biases) go through its reduce-scatter and
-  ForgeOptimizer steps their local shards.
-
-FSDP2's per-parameter records (its ``FSDPParam``) are private: they are read here only.
-
+FSDP2's row shard of a fused weight plays the part of data-parallel ``mode="sharded"``'s
+band: backward gathers the layer's tokens across the shard group and steps this rank's rows
+and their states in place, so FSDP2 reduce-scatters no gradient for fused weights.
 ForgeTrainer runs this under accelerate's FSDP2 (integrations/trainer.py); its sharded
-checkpoints of the optimizer go through save_sharded_optimizer / load_sharded_optimizer below.
+optimizer checkpoints go through save_sharded_optimizer / load_sharded_optimizer below. The
+design: docs/architecture.md, "forge inside FSDP2"; usage and costs: docs/fsdp.md.
 """
 
 from __future__ import annotations

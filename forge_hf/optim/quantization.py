@@ -1,5 +1,5 @@
 """How faithful a state precision is: reconstruction error of each state and the
-update-domain error E_upd of the quantisation seed (§3),
+update-domain error E_upd of the log-space quantisation paper (§3),
 
     E_upd = ||U(S_hat, G) - U(S, G)|| / (||U(S, G)|| + eps),
 

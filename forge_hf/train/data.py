@@ -1,23 +1,10 @@
 """OpenMathInstruct-2 rows -> continued-pretraining text -> tokens -> fixed-length blocks.
 
-Pipeline (the same code for hub and local rows, streamed or not):
-1. rows: ``nvidia/OpenMathInstruct-2`` from the Hub, or local .jsonl/.parquet files with
-   its columns; ``streaming`` reads them lazily as an IterableDataset.
-2. held-out slice: the first ``eval_rows`` rows, taken before shuffling, so the slice does
-   not depend on the seed.
-3. shuffle (training rows only), seeded: a full permutation for a map-style dataset, a
-   ``shuffle_buffer_size`` buffer for a streamed one. So streamed and map-style rows give
-   the same blocks when ``shuffle`` is off, and each gives the same order for the same
-   seed, but the two shuffles differ from each other.
-4. text: ``text_template`` filled from the row, tokenised with the tokenizer's own special
-   tokens (e.g. Llama's BOS, none for Qwen), then the EOS id appended.
-5. packing: rows are concatenated in order and cut into ``block_size`` blocks; a row may
-   span two blocks, no token is dropped or repeated, and only the trailing partial block
-   (fewer than block_size tokens at the very end of the data) is dropped. Packed
-   documents attend to each other within a block, as usual for continued pretraining.
-
-Training blocks are streamed (tokenised lazily, no tokenised copy on disk), so a run's
-length is ``max_steps``; when the rows run out first, the next pass repeats the order.
+Rows from the Hub or local .jsonl/.parquet files, streamed or not; a held-out slice taken
+before the seeded shuffle; each row's ``text_template`` tokenised with EOS appended; rows
+packed into ``block_size`` blocks (only the trailing partial block dropped). Training blocks
+are streamed, so a run's length is ``max_steps``. The steps in detail:
+docs/architecture.md, "Recipe data".
 """
 
 from collections.abc import Iterable, Iterator
