@@ -14,6 +14,7 @@ from test_optim import SEQ, VOCAB, tiny_llama
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from forge_hf.core.config import ForgeConfig
 from forge_hf.core.rules import NUM_SCALARS
 from forge_hf.integrations.trainer import ForgeTrainer
 from forge_hf.integrations.training_args import OPTIMIZER_NAMES, config_from_training_args, register_optimizer_names
@@ -438,3 +439,10 @@ def test_accelerate_launch_one_process(tmp_path):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FORGE_OK 3 1" in done.stdout
+
+
+def test_a_forge_config_for_another_rule_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"forge_config is for optimizer='sgd' but args.optim='forge_adamw': "
+                                         r"set optim='forge_sgd'"):
+        ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=dataset(),
+                     forge_config=ForgeConfig(optimizer="sgd"))
