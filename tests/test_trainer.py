@@ -446,3 +446,18 @@ def test_a_forge_config_for_another_rule_is_refused(tmp_path):
                                          r"set optim='forge_sgd'"):
         ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=dataset(),
                      forge_config=ForgeConfig(optimizer="sgd"))
+
+
+def test_a_forge_config_adds_its_options_to_the_training_arguments(tmp_path):
+    args = training_args(tmp_path, learning_rate=2e-3, optim_args="min_params=0")
+    trainer = ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(),
+                           forge_config=ForgeConfig(state_precision="bf16", backend="reference"))
+    config = trainer.forge_config
+    assert (config.state_precision, config.backend, config.min_params) == ("bf16", "reference", 0)
+    assert config.seed == args.seed
+    assert config.hyperparameters["lr"] == 2e-3  # unset in the config: the TrainingArguments' own
+    with pytest.raises(ValueError, match=r"forge_config sets min_params=5 but the TrainingArguments give 0"):
+        ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), forge_config=ForgeConfig(min_params=5))
+    with pytest.raises(ValueError, match=r"forge_config sets lr=0.1 but the TrainingArguments give 0.002"):
+        ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(),
+                     forge_config=ForgeConfig(hyperparameters={"lr": 0.1}))

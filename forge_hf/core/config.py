@@ -106,11 +106,11 @@ class ForgeConfig:
         """A param-group dict of the rule: its defaults overridden by the hyperparameters."""
         return make_group(self.rule, dict(self.hyperparameters))
 
-    def acted_on_by(self, used_by: str) -> dict:
-        """The options (name -> value) that differ from their defaults and that only
-        ``used_by`` acts on."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.metadata["used_by"] == used_by and getattr(self, f.name) != _default(f)}
+    def trainer_options(self) -> dict:
+        """The options a TrainingArguments' optim_args could set (name -> value) that differ
+        from their defaults, and the rule's hyperparameters."""
+        return {**{name: getattr(self, name) for name, f in trainer_keys().items()
+                   if getattr(self, name) != _default(f)}, **self.hyperparameters}
 
 
 def trainer_keys() -> dict[str, dataclasses.Field]:

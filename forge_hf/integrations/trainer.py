@@ -26,7 +26,7 @@ from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, PatchReport, patch_model
 from .cuda_graph import TrainerGraph, skip_packing_check
 from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
 from .step_order import StepOrder
-from .training_args import PREFIX, config_from_training_args, register_optimizer_names, rule_name
+from .training_args import PREFIX, config_from_training_args, merged_config, register_optimizer_names, rule_name
 
 logger = logging.get_logger(__name__)
 
@@ -157,8 +157,10 @@ class ForgeTrainerMixin:
             fields (learning_rate, weight_decay, adam_beta1/2, adam_epsilon), forge's
             options and the rule's other hyperparameters from ``args.optim_args``
             (``"state_precision=bf16,cuda_graph=auto"``: the README's options table).
-        forge_config: the ForgeConfig, when the caller has built it from ``args`` already
-            (the recipes do, with their forge_* keys); default: read from ``args``.
+        forge_config: forge's options as a ForgeConfig, beside those of ``args`` (an option
+            the two set differently is refused); its optimizer must be ``args.optim``'s. The
+            hyperparameters it leaves unset come from ``args`` (learning_rate, ...), and the
+            seed always does.
     """
 
     def __init__(self, *args, forge_config: ForgeConfig | None = None, **kwargs):
@@ -169,12 +171,10 @@ class ForgeTrainerMixin:
                 "forge_hf.ForgeOptimizer, or no optimizer and optim='forge_<rule>'"
             )
         # A ForgeOptimizer the caller made needs no forge optim name; otherwise it is required.
-        if forge_config is not None and rule_name(self.args.optim) != forge_config.optimizer:
-            raise ValueError(f"forge_config is for optimizer={forge_config.optimizer!r} but args.optim="
-                             f"{getattr(self.args.optim, 'value', self.args.optim)!r}: set optim="
-                             f"'{PREFIX}{forge_config.optimizer}'")
-        self.forge_config = forge_config
-        if forge_config is None and (self.optimizer is None or rule_name(self.args.optim) is not None):
+        self.forge_config = None
+        if forge_config is not None:
+            self.forge_config = merged_config(self.args, forge_config)
+        elif self.optimizer is None or rule_name(self.args.optim) is not None:
             self.forge_config = config_from_training_args(self.args)
         self.forge_report = None
         check_training_arguments(self.args, self.accelerator)
