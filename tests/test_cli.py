@@ -1,6 +1,7 @@
 """The command line: `forge-hf --help` without torch, the forge optimizer names registered
-by a lazy `import forge_hf` in either import order, and every refusal of `forge-hf train`
-as one line, exit code 2 and no output directory."""
+by `import forge_hf` after transformers, by importing ForgeTrainer, or by
+`forge_hf.register_optimizer_names()`, and every refusal of `forge-hf train` as one line,
+exit code 2 and no output directory."""
 
 import os
 import subprocess
@@ -40,8 +41,9 @@ def test_help_and_import_leave_torch_unloaded():
 
 
 ORDERS = {
-    "forge_hf first": """
+    "forge_hf first, then ForgeTrainer": """
         import forge_hf
+        from forge_hf import ForgeTrainer
         from transformers import HfArgumentParser, TrainingArguments
         args, = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
             ["--output_dir", OUT, "--optim", "forge_lion"])
@@ -53,10 +55,10 @@ ORDERS = {
         print("OPTIM", TrainingArguments(OUT, optim="forge_lion").optim.value,
               TrainingArguments(OUT, optim="forge_adamw").optim.value)
     """,
-    # transformers.trainer imports training_args halfway through its own import
-    "forge_hf, then Trainer": """
+    "forge_hf, then Trainer, then the call": """
         import forge_hf
         from transformers import Trainer, TrainingArguments
+        forge_hf.register_optimizer_names()
         assert Trainer.get_optimizer_cls_and_kwargs.forge_refusal  # a plain Trainer points to ForgeTrainer
         print("OPTIM", TrainingArguments(OUT, optim="forge_lion").optim.value,
               TrainingArguments(OUT, optim="forge_adamw").optim.value)

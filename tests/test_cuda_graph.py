@@ -14,15 +14,17 @@ from test_trainer import dataset, step_logs, training_args
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import forge_hf
-from forge_hf.integrations.trainer import ForgeTrainer, forge_options
+from forge_hf.integrations.trainer import ForgeTrainer
+from forge_hf.integrations.training_args import config_from_training_args
 from forge_hf.optim.optimizer import ForgeOptimizer
 
 # ------------------------------------------------------------------------ CPU
 
 
 def test_an_unknown_mode_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"cuda_graph='sometimes' is not a mode: use one of \['auto', 'true'"):
-        forge_options(training_args(tmp_path, optim_args="cuda_graph=sometimes"))
+    with pytest.raises(ValueError, match=r"optim_args cuda_graph: unknown cuda_graph='sometimes': choose one of "
+                                         r"\['auto', 'true'"):
+        config_from_training_args(training_args(tmp_path, optim_args="cuda_graph=sometimes"))
 
 
 def test_graph_required_on_a_cpu_stops_before_any_step(tmp_path):

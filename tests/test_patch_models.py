@@ -237,5 +237,5 @@ def test_triton_backend_on_llama(device):
     with no_fallback():
         report, forge_model, torch_model, grads = run_pair(case, device, backend="triton")
         train(forge_model, case)
-    assert all(forge_model.get_submodule(m.name).forge_backend == "triton" for m in report.fused)
+    assert all(forge_model.get_submodule(m.name).forge_config.backend == "triton" for m in report.fused)
     assert_trained_alike(forge_model, torch_model, grads)

@@ -8,7 +8,7 @@ import torch
 import yaml
 from transformers import TrainingArguments
 
-from forge_hf.integrations.trainer import OPTION_TYPES, forge_options
+from forge_hf.core.config import trainer_keys
 from forge_hf.train.arguments import ForgeArguments
 from forge_hf.train.recipe import PATH_KEYS, RecipeError, load_recipe
 
@@ -28,7 +28,7 @@ def test_the_recipe_set_is_complete():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_parses(path):
     recipe = load_recipe(path, HARDWARE)
-    assert forge_options(recipe.training).rule == "adamw"
+    assert recipe.config.optimizer == "adamw"
     assert recipe.training.max_steps > 0
 
 
@@ -43,11 +43,11 @@ def test_cpt_recipes_use_the_papers_settings(model, state):
     assert t.lr_scheduler_type == "cosine" and t.bf16 and t.use_liger_kernel
     assert recipe.model.dtype == "bfloat16"
     assert d.dataset_name == "nvidia/OpenMathInstruct-2" and d.streaming
-    assert forge_options(t).patch["state_precision"] == state  # al8 is validated at patch time
+    assert recipe.config.state_precision == state
 
 
 def test_forge_arguments_cover_forge_trainers_options():
-    assert {f.name for f in fields(ForgeArguments)} == {f"forge_{k}" for k in OPTION_TYPES}
+    assert {f.name for f in fields(ForgeArguments)} == {f"forge_{k}" for k in trainer_keys()}
 
 
 def _smoke_values() -> dict:
@@ -127,7 +127,7 @@ def test_missing_recipe_file(tmp_path):
     ({"dataset_source": "hub"}, (), ["data_files", "dataset_source"]),
     ({"optim": "adamw_torch"}, (), ["optim='adamw_torch' is not a forge optimizer", "'forge_adamw'"]),
     ({"dtype": "float16"}, (), ["dtype='float16'", "dtype: bfloat16", "bf16: true"]),
-    ({"forge_min_params": -1}, (), ["forge_min_params=-1", "use 0"]),
+    ({"forge_min_params": -1}, (), ["forge_min_params: min_params=-1 is not a count", "use an integer >= 0"]),
     ({"adam_beta1": 1.5}, (), ["betas=(1.5, 0.999)"]),
     ({"gradient_accumulation_steps": 4}, (), ["gradient_accumulation_steps=4", "per_device_train_batch_size"]),
     ({"eval_rows": 0}, (), ["eval_strategy='steps'", "eval_rows"]),
@@ -215,7 +215,7 @@ def test_cuda_graph_true_where_no_step_can_be_captured(tmp_path, changes, reason
 
 def test_yaml_booleans_for_true_false_choices(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path, forge_cuda_graph=False))
-    assert recipe.forge.forge_cuda_graph == "false" and forge_options(recipe.training).cuda_graph == "false"
+    assert recipe.forge.forge_cuda_graph == "false" and recipe.config.cuda_graph == "false"
 
 
 def _checkpoint(output_dir: Path, step: int) -> Path:
@@ -262,18 +262,15 @@ def test_command_line_overrides_win(tmp_path):
                                                   "--forge_stop_on_nonfinite", "true",
                                                   "--forge_recompute_swiglu", "true"])
     assert (recipe.training.learning_rate, recipe.training.max_steps) == (1e-5, 7)
-    options = forge_options(recipe.training)
-    assert options.patch["include"] == ["q_proj", "v_proj"] and options.stop_on_nonfinite
-    assert options.recompute_swiglu and "recompute_swiglu" not in options.patch
+    config = recipe.config
+    assert config.include == ("q_proj", "v_proj") and config.stop_on_nonfinite and config.recompute_swiglu
 
 
-def test_forge_lean_loss_reaches_optim_args(tmp_path):
+def test_forge_lean_loss_reaches_the_config(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path, forge_lean_loss=True))
-    options = forge_options(recipe.training)
-    assert options.lean_loss and "lean_loss" not in options.patch
-    assert "lean_loss=True" in recipe.training.optim_args.split(",")
-    assert forge_options(load_recipe(write_recipe(tmp_path), ["--forge_lean_loss", "true"]).training).lean_loss
-    assert not forge_options(load_recipe(write_recipe(tmp_path)).training).lean_loss  # unset: off
+    assert recipe.config.lean_loss and not recipe.training.optim_args  # never serialised into optim_args
+    assert load_recipe(write_recipe(tmp_path), ["--forge_lean_loss", "true"]).config.lean_loss
+    assert not load_recipe(write_recipe(tmp_path)).config.lean_loss  # unset: off
 
 
 def test_forge_lean_loss_refusals(tmp_path):
@@ -287,7 +284,7 @@ def test_forge_lean_loss_refusals(tmp_path):
            "forge_lean_loss=true with label_smoothing_factor=0.1")
     recipe = load_recipe(write_recipe(tmp_path, forge_lean_loss=True, use_liger_kernel=True,
                                       liger_kernel_config={"fused_linear_cross_entropy": False}))
-    assert forge_options(recipe.training).lean_loss
+    assert recipe.config.lean_loss
 
 
 @pytest.mark.parametrize("overrides,fragment", [

@@ -38,12 +38,12 @@ def _trained(precision, backend, rule="adamw", steps=3, conv1d=False, shape=(70,
     gen = torch.Generator().manual_seed(5)
     torch.manual_seed(5)
     n_out, n_in = shape
-    options = dict(optimizer=rule, state_precision=precision, seed=11, lr=LR, **EXTRA.get(rule, {}))
+    options = dict(optimizer=rule, state_precision=precision, seed=11, backend=backend, lr=LR,
+                   **EXTRA.get(rule, {}))
     if conv1d:
         layer = ForgeConv1D.from_conv1d(Conv1D(n_out, n_in).to(DEVICE), **options)
     else:
         layer = ForgeLinear.from_linear(torch.nn.Linear(n_in, n_out, bias=False, device=DEVICE), **options)
-    layer.forge_backend = backend
     for _ in range(steps):
         x, dy = exact_inputs((tokens, n_in), n_out, generator=gen, device=DEVICE)
         layer(x).backward(dy)

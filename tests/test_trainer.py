@@ -14,8 +14,10 @@ from test_optim import SEQ, VOCAB, tiny_llama
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from forge_hf.core.config import ForgeConfig
 from forge_hf.core.rules import NUM_SCALARS
-from forge_hf.integrations.trainer import OPTIMIZER_NAMES, ForgeTrainer, forge_options, register_optimizer_names
+from forge_hf.integrations.trainer import ForgeTrainer
+from forge_hf.integrations.training_args import OPTIMIZER_NAMES, config_from_training_args, register_optimizer_names
 from forge_hf.kernels import dispatch
 from forge_hf.optim.optimizer import ForgeOptimizer, fused_layers
 
@@ -315,7 +317,8 @@ def test_refuses_a_distributed_type_other_than_data_parallel():
 
 def test_bad_data_parallel_mode_is_refused(tmp_path):
     args = training_args(tmp_path, optim_args=f"{FAST},data_parallel=zero3")
-    with pytest.raises(ValueError, match="data_parallel='zero3' is not a mode"):
+    with pytest.raises(ValueError, match=r"optim_args data_parallel: unknown data_parallel='zero3': choose one "
+                                         r"of \['sharded'"):
         ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
 
 
@@ -380,26 +383,30 @@ def test_hf_argument_parser_command_line_and_yaml(tmp_path):
     recipe.write_text(f"output_dir: {tmp_path}\noptim: forge_rmsprop\noptim_args: momentum=0.9\n"
                       "use_cpu: true\n")
     (args,) = parser.parse_yaml_file(str(recipe))
-    assert args.optim == "forge_rmsprop" and forge_options(args).hyperparameters["momentum"] == 0.9
+    assert args.optim == "forge_rmsprop" and config_from_training_args(args).hyperparameters["momentum"] == 0.9
 
 
-def test_forge_options_from_training_arguments(tmp_path):
+def test_forge_config_from_training_arguments(tmp_path):
     args = training_args(tmp_path, "forge_sgd", weight_decay=0.1,
                          optim_args="state_precision=bf16,momentum=0.9,backend=reference,rounding=nearest,"
                                     "nesterov=true,include=q_proj|v_proj,stop_on_nonfinite=true,min_params=0")
-    o = forge_options(args)
-    assert o.rule == "sgd" and o.stop_on_nonfinite
-    assert o.hyperparameters == dict(lr=1e-3, weight_decay=0.1, momentum=0.9, nesterov=True)
-    assert o.patch == dict(state_precision="bf16", rounding="nearest", backend="reference",
-                           include=["q_proj", "v_proj"], min_params=0)
-    lion = forge_options(training_args(tmp_path, "forge_lion", adam_beta1=0.95, adam_beta2=0.98))
+    config = config_from_training_args(args)
+    assert config.optimizer == "sgd" and config.stop_on_nonfinite and config.seed == args.seed
+    assert config.hyperparameters == dict(lr=1e-3, weight_decay=0.1, momentum=0.9, nesterov=True)
+    assert (config.state_precision, config.rounding, config.backend, config.include, config.min_params) == \
+        ("bf16", "nearest", "reference", ("q_proj", "v_proj"), 0)
+    lion = config_from_training_args(training_args(tmp_path, "forge_lion", adam_beta1=0.95, adam_beta2=0.98))
     assert lion.hyperparameters == dict(lr=1e-3, weight_decay=0.01, betas=(0.95, 0.98))  # Lion has no eps
-    adamw = forge_options(training_args(tmp_path, adam_epsilon=1e-6))
+    adamw = config_from_training_args(training_args(tmp_path, adam_epsilon=1e-6))
     assert adamw.hyperparameters["eps"] == 1e-6
     with pytest.raises(ValueError, match="unknown optim_args key 'momentum' for optim='forge_adamw'"):
-        forge_options(training_args(tmp_path, optim_args="momentum=0.9"))
+        config_from_training_args(training_args(tmp_path, optim_args="momentum=0.9"))
+    with pytest.raises(ValueError, match="unknown optim_args key 'state_precison' .*did you mean 'state_precision'"):
+        config_from_training_args(training_args(tmp_path, optim_args="state_precison=bf16"))
+    with pytest.raises(ValueError, match="optim_args rounding: unknown rounding='nearst'.*did you mean 'nearest'"):
+        config_from_training_args(training_args(tmp_path, optim_args="rounding=nearst"))
     with pytest.raises(ValueError, match="adam_epsilon"):
-        forge_options(training_args(tmp_path, optim_args="eps=1e-6"))
+        config_from_training_args(training_args(tmp_path, optim_args="eps=1e-6"))
 
 
 # ---------------------------------------------------------- accelerate launch
@@ -432,3 +439,25 @@ def test_accelerate_launch_one_process(tmp_path):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FORGE_OK 3 1" in done.stdout
+
+
+def test_a_forge_config_for_another_rule_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"forge_config is for optimizer='sgd' but args.optim='forge_adamw': "
+                                         r"set optim='forge_sgd'"):
+        ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=dataset(),
+                     forge_config=ForgeConfig(optimizer="sgd"))
+
+
+def test_a_forge_config_adds_its_options_to_the_training_arguments(tmp_path):
+    args = training_args(tmp_path, learning_rate=2e-3, optim_args="min_params=0")
+    trainer = ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(),
+                           forge_config=ForgeConfig(state_precision="bf16", backend="reference"))
+    config = trainer.forge_config
+    assert (config.state_precision, config.backend, config.min_params) == ("bf16", "reference", 0)
+    assert config.seed == args.seed
+    assert config.hyperparameters["lr"] == 2e-3  # unset in the config: the TrainingArguments' own
+    with pytest.raises(ValueError, match=r"forge_config sets min_params=5 but the TrainingArguments give 0"):
+        ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), forge_config=ForgeConfig(min_params=5))
+    with pytest.raises(ValueError, match=r"forge_config sets lr=0.1 but the TrainingArguments give 0.002"):
+        ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(),
+                     forge_config=ForgeConfig(hyperparameters={"lr": 0.1}))

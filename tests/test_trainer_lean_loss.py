@@ -15,7 +15,8 @@ from transformers import TrainingArguments
 from forge_hf.integrations import lean_loss as lean_loss_module
 from forge_hf.integrations import trainer as trainer_module
 from forge_hf.integrations.lean_loss import check_lean_loss, lean_causal_lm_loss
-from forge_hf.integrations.trainer import ForgeTrainer, forge_options
+from forge_hf.integrations.trainer import ForgeTrainer
+from forge_hf.integrations.training_args import config_from_training_args
 from forge_hf.nn import loss as loss_module
 
 VOCAB = 97  # no multiple of any tile: lm_head's rows end in a partial tile
@@ -169,11 +170,11 @@ def test_lean_loss_reads_nothing_back_to_the_host(tmp_path):
 
 
 def test_lean_loss_is_an_optim_args_key(tmp_path):
-    assert forge_options(training_args(tmp_path)).lean_loss is False
-    options = forge_options(training_args(tmp_path, optim_args="lean_loss=true,min_params=0"))
-    assert options.lean_loss is True and "lean_loss" not in options.patch
+    assert config_from_training_args(training_args(tmp_path)).lean_loss is False
+    config = config_from_training_args(training_args(tmp_path, optim_args="lean_loss=true,min_params=0"))
+    assert config.lean_loss is True and config.min_params == 0
     with pytest.raises(ValueError, match="lean_loss='maybe': use true or false"):
-        forge_options(training_args(tmp_path, optim_args="lean_loss=maybe"))
+        config_from_training_args(training_args(tmp_path, optim_args="lean_loss=maybe"))
 
 
 def test_lean_loss_off_leaves_the_trainers_loss(tmp_path):

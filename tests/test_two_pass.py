@@ -55,13 +55,13 @@ def gradients_formed(monkeypatch):
 def _fused_layer(shape, wdtype, precision="fp32", rounding="stochastic", conv1d=False, device="cpu", **hp):
     out_features, in_features = shape
     torch.manual_seed(5)
-    options = dict(optimizer="adamw", state_precision=precision, rounding=rounding, seed=11, lr=LR, **hp)
+    options = dict(optimizer="adamw", state_precision=precision, rounding=rounding, seed=11, backend="triton",
+                   lr=LR, **hp)
     if conv1d:
         layer = ForgeConv1D.from_conv1d(Conv1D(out_features, in_features).to(device=device, dtype=wdtype), **options)
     else:
         linear = torch.nn.Linear(in_features, out_features, bias=False, device=device, dtype=wdtype)
         layer = ForgeLinear.from_linear(linear, **options)
-    layer.forge_backend = "triton"
     return layer
 
 

@@ -17,23 +17,7 @@ import torch
 from .codecs import LEGACY_AL8, QuantisedSlot, saved_codec, slot_codec
 from .rules import Rule
 
-STATE_PRECISIONS = ("fp32", "bf16", "int8", "al8")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ROUNDINGS = ("stochastic", "nearest")
-
-
-def check_state_precision(precision: str) -> str:
-    if precision not in STATE_PRECISIONS:
-        raise ValueError(
-            f"unknown state_precision={precision!r}: choose one of {list(STATE_PRECISIONS)}"
-        )
-    return precision
-
-
-def check_rounding(rounding: str) -> str:
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"unknown rounding={rounding!r}: choose one of {list(ROUNDINGS)}")
-    return rounding
 
 
 def _logical(slot, transposed: bool):
@@ -53,7 +37,7 @@ class ForgeState:
 
     def __init__(self, rule: Rule, precision: str, transposed: bool | None = None):
         self.rule = rule
-        self.precision = check_state_precision(precision)
+        self.precision = precision  # one of config.STATE_PRECISIONS, validated by ForgeConfig
         if precision == "al8" and rule.slot_signed.count(False) > 1:
             # al8 codes round with the element hash's high half (core/codecs.py), which two
             # al8 slots of one layer would share

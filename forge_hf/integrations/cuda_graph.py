@@ -19,16 +19,9 @@ from torch import nn
 
 from ..optim.graphs import GraphedStep, StaleGraph
 
-MODES = ("auto", "true", "false")
 STABLE_STEPS = 3  # batches of one shape in a row before a capture: two eager warm-ups, then capture
 UNSETTLED_STEPS = 8  # steps without STABLE_STEPS batches of one shape in a row: the shapes vary
 NUM_ITEMS = "forge_num_items_in_batch"  # Trainer's loss normaliser, carried into the graph as an input
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"optim_args cuda_graph={mode!r} is not a mode: use one of {list(MODES)}")
-    return mode
 
 
 def _shapes(inputs: dict) -> tuple | None:
@@ -80,7 +73,7 @@ class TrainerGraph:
     overlap = True  # False: the loss waits for the whole step (what benchmarks compare the overlap with)
 
     def __init__(self, mode: str):
-        self.mode = check_mode(mode)
+        self.mode = mode  # ForgeConfig.cuda_graph
         self.off: str | None = "cuda_graph=false" if mode == "false" else None  # why no graph, for the run
         self.step: GraphedStep | None = None
         self.shapes: tuple | None = None

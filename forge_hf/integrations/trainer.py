@@ -1,9 +1,9 @@
-"""Hugging Face Trainer integration: the ``optim="forge_<rule>"`` names and ForgeTrainer.
+"""ForgeTrainer and ForgeTrainerMixin: the Hugging Face Trainer with forge's fused step.
 
-Importing this module registers the names, so ``TrainingArguments(optim="forge_adamw")``
-validates, also through HfArgumentParser (command line, YAML). A plain ``Trainer`` given
-such a name stops as soon as it creates its optimizer and points to ForgeTrainer: it
-would clip and log only the non-fused gradients, which is silent wrong training.
+Importing this module registers the ``optim="forge_<rule>"`` names (training_args.py), so
+``TrainingArguments(optim="forge_adamw")`` validates; a plain ``Trainer`` given such a name
+stops when it creates its optimizer and points here (it would clip and log only the
+non-fused gradients: silent wrong training).
 """
 
 from __future__ import annotations
@@ -12,164 +12,25 @@ import copy
 import functools
 import os
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from transformers import Trainer
-from transformers.training_args import OptimizerNames
 from transformers.utils import logging
 
-from ..core.rules import RULES, Rule
+from ..core.config import ForgeConfig
 from ..nn.swiglu import recompute_swiglu
-from ..optim.distributed import MODES, enable_data_parallel
+from ..optim.distributed import enable_data_parallel
 from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from ..optim.optimizer import ForgeOptimizer, fused_layers
 from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, PatchReport, patch_model
 from .cuda_graph import TrainerGraph, skip_packing_check
-from .cuda_graph import check_mode as check_cuda_graph_mode
 from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
 from .step_order import StepOrder
+from .training_args import PREFIX, config_from_training_args, merged_config, register_optimizer_names, rule_name
 
 logger = logging.get_logger(__name__)
 
-PREFIX = "forge_"
-OPTIMIZER_NAMES = tuple(PREFIX + name for name in RULES)  # forge_adamw, forge_nadam, ...
-
-# optim_args keys that configure patch_model / ForgeOptimizer rather than the rule, and
-# how their text is read; patch_model's defaults apply to those not given.
-OPTION_TYPES = dict(state_precision=str, rounding=str, backend=str, include=list, exclude=list,
-                    min_params=int, stop_on_nonfinite=bool, data_parallel=str, recompute_swiglu=bool,
-                    cuda_graph=str, lean_loss=bool)
-
-
-def rule_name(optim) -> str | None:
-    """'adamw' for optim='forge_adamw' (a string or an OptimizerNames member), else None."""
-    value = str(getattr(optim, "value", optim))
-    name = value[len(PREFIX):] if value.startswith(PREFIX) else None
-    return name if name in RULES else None
-
-
-# ------------------------------------------------------------------ registration
-
-
-def _add_enum_member(enum_cls, name: str, value: str) -> None:
-    """Add a member to a str-valued Enum after its creation (the Enum API has no way)."""
-    if value in enum_cls._value2member_map_:
-        return
-    member = str.__new__(enum_cls, value)
-    member._name_, member._value_ = name, value
-    member.__objclass__ = enum_cls
-    member._sort_order_ = len(enum_cls._member_names_)
-    setattr(enum_cls, name, member)  # before _member_map_, which forbids reassigning members
-    enum_cls._member_map_[name] = member
-    enum_cls._value2member_map_[value] = member
-    enum_cls._member_names_.append(name)
-
-
-def _refuse_plain_trainer(get_optimizer_cls_and_kwargs):
-    def wrapped(args, model=None):
-        if rule_name(args.optim) is not None:
-            raise ValueError(
-                f"optim={args.optim.value!r} needs forge_hf.ForgeTrainer: a plain Trainer would clip "
-                "and log only the gradients that are not fused. Use forge_hf.ForgeTrainer in place of "
-                "Trainer, or for another Trainer subclass (e.g. trl.SFTTrainer) "
-                "`class MyTrainer(forge_hf.ForgeTrainerMixin, SFTTrainer)`"
-            )
-        return get_optimizer_cls_and_kwargs(args, model)
-
-    wrapped.forge_refusal = True
-    return wrapped
-
-
-def register_optimizer_names() -> None:
-    """Register ``forge_<rule>`` as TrainingArguments optimizer names; idempotent."""
-    for value in OPTIMIZER_NAMES:
-        _add_enum_member(OptimizerNames, value.upper(), value)
-    current = Trainer.get_optimizer_cls_and_kwargs  # a staticmethod: the plain function
-    if not getattr(current, "forge_refusal", False):
-        Trainer.get_optimizer_cls_and_kwargs = staticmethod(_refuse_plain_trainer(current))
-
-
-register_optimizer_names()
-
-
-# ----------------------------------------------------------------- options
-
-
-@dataclass
-class ForgeOptions:
-    """What a forge optim name plus TrainingArguments ask of patch_model and ForgeOptimizer."""
-
-    rule: str
-    hyperparameters: dict  # torch.optim names: lr, weight_decay, betas, eps, momentum, ...
-    patch: dict = field(default_factory=dict)  # patch_model options given (state_precision, ...)
-    stop_on_nonfinite: bool = False
-    data_parallel: str = "sharded"  # several processes: forge_hf.distributed's mode
-    recompute_swiglu: bool = False  # forge_hf.recompute_swiglu after patching
-    cuda_graph: str = "auto"  # integrations/cuda_graph.py: capture and replay each step
-    lean_loss: bool = False  # the loss by nn/loss.py's chunked cross-entropy (lean_causal_lm_loss)
-
-
-def _convert(key: str, text: str, kind: type):
-    if kind is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"optim_args {key}={text!r}: use true or false")
-        return text.lower() in ("true", "1")
-    if kind is list:
-        return text.split("|")  # lists travel '|'-joined inside the comma-separated string
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"optim_args {key}={text!r}: use a {kind.__name__}") from None
-
-
-def _hyperparameters_from_args(rule: Rule, args) -> dict[str, tuple[str, object]]:
-    """rule hyperparameter -> (TrainingArguments field, value), as Trainer's own optimizers do."""
-    given = {"lr": ("learning_rate", args.learning_rate), "weight_decay": ("weight_decay", args.weight_decay)}
-    if "betas" in rule.defaults:  # the Adam family and Lion; RMSprop/Adagrad keep their own eps
-        given["betas"] = ("adam_beta1/adam_beta2", (args.adam_beta1, args.adam_beta2))
-        if "eps" in rule.defaults:
-            given["eps"] = ("adam_epsilon", args.adam_epsilon)
-    return given
-
-
-def forge_options(args) -> ForgeOptions:
-    """Read a ``forge_<rule>`` TrainingArguments: hyperparameters from the usual fields, the
-    rest from optim_args ("state_precision=bf16,momentum=0.9,backend=reference")."""
-    name = rule_name(args.optim)
-    if name is None:
-        raise ValueError(f"optim={getattr(args.optim, 'value', args.optim)!r} is not a forge optimizer: "
-                         f"use one of {list(OPTIMIZER_NAMES)}")
-    rule = RULES[name]
-    from_args = _hyperparameters_from_args(rule, args)
-    hyperparameters = {k: v for k, (_, v) in from_args.items()}
-    options = {}
-    for pair in (args.optim_args or "").replace(" ", "").split(","):
-        if not pair:
-            continue
-        if "=" not in pair:
-            raise ValueError(f"optim_args entry {pair!r} is not key=value: write e.g. "
-                             "optim_args='momentum=0.9'")
-        key, text = pair.split("=", 1)
-        if key in from_args:
-            raise ValueError(f"optim_args sets {key}={text} but {PREFIX}{name} takes {key} from "
-                             f"TrainingArguments.{from_args[key][0]}: set it there")
-        if key in OPTION_TYPES:
-            options[key] = _convert(key, text, OPTION_TYPES[key])
-        elif key in rule.defaults:
-            hyperparameters[key] = _convert(key, text, type(rule.defaults[key]))
-        else:
-            accepted = sorted(set(rule.defaults) - set(from_args) | set(OPTION_TYPES))
-            raise ValueError(f"unknown optim_args key {key!r} for optim='{PREFIX}{name}': "
-                             f"it takes {accepted}")
-    stop = options.pop("stop_on_nonfinite", False)
-    mode = options.pop("data_parallel", "sharded")
-    if mode not in MODES:
-        raise ValueError(f"optim_args data_parallel={mode!r} is not a mode: use one of {list(MODES)}")
-    recompute = options.pop("recompute_swiglu", False)
-    graph = check_cuda_graph_mode(options.pop("cuda_graph", "auto"))
-    lean = options.pop("lean_loss", False)
-    return ForgeOptions(name, hyperparameters, options, stop, mode, recompute, graph, lean)
+register_optimizer_names()  # TrainingArguments(optim="forge_<rule>") validates from here on
 
 
 # ------------------------------------------------------------------ guards
@@ -288,9 +149,21 @@ class ForgeTrainerMixin:
     FSDP1 and DeepSpeed are refused.
 
     ``optim_args="lean_loss=true"`` computes the training and eval loss by forge's chunked
-    cross-entropy (lean_causal_lm_loss), set as the Trainer's compute_loss_func."""
+    cross-entropy (lean_causal_lm_loss), set as the Trainer's compute_loss_func.
 
-    def __init__(self, *args, **kwargs):
+    Args:
+        *args, **kwargs: the Trainer's (model, args, datasets, ...). ``args.optim`` is
+            ``"forge_<rule>"``; its hyperparameters come from the usual TrainingArguments
+            fields (learning_rate, weight_decay, adam_beta1/2, adam_epsilon), forge's
+            options and the rule's other hyperparameters from ``args.optim_args``
+            (``"state_precision=bf16,cuda_graph=auto"``: the README's options table).
+        forge_config: forge's options as a ForgeConfig, beside those of ``args`` (an option
+            the two set differently is refused); its optimizer must be ``args.optim``'s. The
+            hyperparameters it leaves unset come from ``args`` (learning_rate, ...), and the
+            seed always does.
+    """
+
+    def __init__(self, *args, forge_config: ForgeConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         if self.optimizer is not None and unwrap_forge_optimizer(self.optimizer) is None:
             raise ValueError(
@@ -298,12 +171,14 @@ class ForgeTrainerMixin:
                 "forge_hf.ForgeOptimizer, or no optimizer and optim='forge_<rule>'"
             )
         # A ForgeOptimizer the caller made needs no forge optim name; otherwise it is required.
-        self.forge_options = None
-        if self.optimizer is None or rule_name(self.args.optim) is not None:
-            self.forge_options = forge_options(self.args)
+        self.forge_config = None
+        if forge_config is not None:
+            self.forge_config = merged_config(self.args, forge_config)
+        elif self.optimizer is None or rule_name(self.args.optim) is not None:
+            self.forge_config = config_from_training_args(self.args)
         self.forge_report = None
         check_training_arguments(self.args, self.accelerator)
-        if self.forge_options is not None and self.forge_options.lean_loss:
+        if self.forge_config is not None and self.forge_config.lean_loss:
             check_lean_loss(self.args, self.compute_loss_func, self.accelerator)
             # Trainer's own hook, rather than a compute_loss override: Trainer.compute_loss then
             # takes the labels out of the model's inputs (the model builds only the logits),
@@ -312,7 +187,7 @@ class ForgeTrainerMixin:
             # the CUDA-graph capture (cuda_graph.py calls compute_loss); a subclass's own
             # compute_loss (TRL's) calls the hook too, where an override would bypass it.
             self.compute_loss_func = lean_causal_lm_loss
-        graph_mode = self.forge_options.cuda_graph if self.forge_options else "auto"
+        graph_mode = self.forge_config.cuda_graph if self.forge_config else "auto"
         if self.forge_fsdp2 and self.optimizer is not None:
             # its states and shard layouts are keyed by the unsharded parameters, which FSDP2 replaces
             raise ValueError(
@@ -352,13 +227,12 @@ class ForgeTrainerMixin:
     def create_optimizer(self, model=None):
         model = self.model if model is None else model
         if self.optimizer is None:
-            o = self.forge_options
+            config = self.forge_config
             if not fused_layers(model):  # a model the user patched keeps their choices
-                self.forge_report = patch_model(model, optimizer=o.rule, seed=self.args.seed,
-                                                **o.patch, **o.hyperparameters)
+                self.forge_report = patch_model(model, config)
                 if not self.forge_report.fused:
-                    raise ValueError(nothing_fused_message(f"{PREFIX}{o.rule}", model, self.forge_report))
-                if o.recompute_swiglu:
+                    raise ValueError(nothing_fused_message(f"{PREFIX}{config.optimizer}", model, self.forge_report))
+                if config.recompute_swiglu:
                     recompute_swiglu(model)
             self.optimizer = self._new_forge_optimizer(model)
         if self.forge_fsdp2:
@@ -368,7 +242,7 @@ class ForgeTrainerMixin:
         fused = fused_layers(model).values()
         if self.args.world_size > 1 and not any(m.forge_dp for m in fused):
             # before accelerate wraps the model in DDP; a ForgeOptimizer the caller made needs it too
-            enable_data_parallel(model, mode=self.forge_options.data_parallel if self.forge_options else "sharded")
+            enable_data_parallel(model, mode=self.forge_config.data_parallel if self.forge_config else "sharded")
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -377,10 +251,10 @@ class ForgeTrainerMixin:
         return super().create_scheduler(num_training_steps, optimizer)
 
     def _new_forge_optimizer(self, model) -> ForgeOptimizer:
-        o = self.forge_options
+        config = self.forge_config
         decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
-        return ForgeOptimizer(model, decay_parameter_names=decay, stop_on_nonfinite=o.stop_on_nonfinite,
-                              **o.hyperparameters)
+        return ForgeOptimizer(model, decay_parameter_names=decay, stop_on_nonfinite=config.stop_on_nonfinite,
+                              **config.hyperparameters)
 
     def forge_follow_fsdp2_prepare(self) -> None:
         """After accelerate's FSDP2 prepare: build the ForgeOptimizer again over the sharded model.
@@ -478,11 +352,6 @@ class ForgeTrainerMixin:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        # The fused layers read the lr when their backward runs: make sure they read the
-        # group the scheduler has just set, even if something replaced the group dicts.
-        optimizer = self.forge_optimizer
-        if optimizer is not None:
-            optimizer.link_layers()
         self._forge_keep_logits()
         loss = self.forge_graph.run(self, model, inputs, num_items_in_batch)
         if loss is not None:
@@ -499,7 +368,7 @@ class ForgeTrainerMixin:
     def _forge_keep_logits(self) -> None:
         """lean_loss: the logits out of accelerate's fp32 conversion, which its prepare (for
         training or for evaluation) puts on the model before the first forward."""
-        if self.forge_options is not None and self.forge_options.lean_loss:
+        if self.forge_config is not None and self.forge_config.lean_loss:
             keep_logits_in_model_dtype(self.model)
 
     def _get_grad_norm(self, model, grad_norm=None):

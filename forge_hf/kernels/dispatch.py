@@ -19,13 +19,12 @@ from typing import NamedTuple
 import torch
 
 from ..core.codecs import QuantisedSlot, storage_kind
+from ..core.config import BACKENDS
 from ..core.launch_args import step_is_captured
 from .launch.fused_update_launch import BoundLaunch
 from .launch.gluon_launch import kernel_choice
 from .reference import reference_fused_update
 from .two_pass import GradientScratch, is_capturing, scratch_for, weight_gradient
-
-BACKENDS = ("auto", "triton", "reference")
 
 WGRAD_ENV = "FORGE_HF_WGRAD"
 WGRAD_PATHS = ("auto", "fused", "two_pass")
@@ -61,6 +60,7 @@ def _triton_available() -> bool:
 
 
 def check_backend(backend: str) -> str:
+    """The dispatch's guard: a ForgeConfig has validated a user's backend already."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend={backend!r}: choose one of {list(BACKENDS)}")
     return backend

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from ..core.config import ForgeConfig, resolve_config
 from .linear import FusedWeightMixin
 
 
@@ -15,18 +16,18 @@ class ForgeConv1D(FusedWeightMixin, Conv1D):
 
     forge_transposed = True
 
-    def __init__(self, nf: int, nx: int, **forge_options):
+    def __init__(self, nf: int, nx: int, config: ForgeConfig | None = None, **options):
+        config = resolve_config(config, options)
         Conv1D.__init__(self, nf, nx)
-        self.forge_setup(**forge_options)
+        self.forge_setup(config)
 
     @classmethod
-    def from_conv1d(cls, conv: Conv1D, optimizer: str = "adamw", state_precision: str = "fp32",
-                    rounding: str = "stochastic", seed: int = 0, **hyperparameters) -> ForgeConv1D:
-        """A ForgeConv1D that shares ``conv``'s Parameter objects (no copy) and hooks."""
+    def from_conv1d(cls, conv: Conv1D, config: ForgeConfig | None = None, **options) -> ForgeConv1D:
+        """A ForgeConv1D that shares ``conv``'s Parameter objects (no copy) and hooks; the
+        arguments are ForgeLinear.from_linear's."""
         if not isinstance(conv, Conv1D):
             raise TypeError(f"from_conv1d needs a transformers Conv1D, got {type(conv).__name__}")
-        return cls.forge_adopt(conv, optimizer=optimizer, state_precision=state_precision,
-                               rounding=rounding, seed=seed, **hyperparameters)
+        return cls.forge_adopt(conv, resolve_config(config, options))
 
     def to_conv1d(self) -> Conv1D:
         """A plain Conv1D with the same Parameter objects and hooks."""

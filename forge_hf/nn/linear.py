@@ -1,9 +1,10 @@
 """ForgeLinear: an nn.Linear whose weight is stepped inside its own backward.
 
 The module keeps the original Parameter objects (state_dict keys, save_pretrained, PEFT
-and tying detection keep working). Its hyperparameters live in ``forge_group``, a
-param-group-like dict read at every backward, so an optimizer facade can own it and a
-scheduler can drive it. Its optimizer state lives with it (``forge_state``).
+and tying detection keep working). Its options are a ForgeConfig (``forge_config``); its
+hyperparameters are read at every backward from ``forge_group``: the ForgeOptimizer param
+group holding its weight, or a group of its own when no optimizer owns it. Its optimizer
+state lives with it (``forge_state``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.config import ForgeConfig, resolve_config
 from ..core.launch_args import next_launch_args
 from ..core.rounding import layer_salt
-from ..core.rules import get_rule, make_group
-from ..core.state import ForgeState, check_rounding
-from ..kernels.dispatch import bind_fused_update, check_backend
+from ..core.state import ForgeState
+from ..kernels.dispatch import bind_fused_update
 from .backward_checks import as_dtype, input_gradient, refuse_second_backward
 from .compiled_linear import compiled_forward, new_anchor
 
@@ -144,21 +145,18 @@ class FusedWeightMixin:
     forge_transposed = False  # Conv1D stores its weight as (in, out)
     forge_dp: DataParallelSeam | None = None  # set by optim/distributed.enable_data_parallel
 
-    def forge_setup(self, optimizer="adamw", state_precision="fp32", rounding="stochastic",
-                    seed=0, layer_index=0, backend="auto", **hyperparameters):
+    def forge_setup(self, config: ForgeConfig, layer_index: int = 0):
         if self.weight.dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"weight dtype {self.weight.dtype} is not supported by forge: use float32 weights "
                 "(with autocast for mixed precision) or bfloat16 weights"
             )
-        check_backend(backend)
-        self.forge_rule = get_rule(optimizer)
-        self.forge_group = make_group(self.forge_rule, hyperparameters)
-        self.forge_state = ForgeState(self.forge_rule, state_precision, transposed=self.forge_transposed)
-        self.forge_rounding = check_rounding(rounding)
-        self.forge_seed = int(seed)
+        self.forge_config = config
+        self.forge_rule = config.rule
+        # its own one-group holder; a ForgeOptimizer replaces it by the param group holding the weight
+        self.forge_group = config.group()
+        self.forge_state = ForgeState(self.forge_rule, config.state_precision, transposed=self.forge_transposed)
         self.forge_layer_index = int(layer_index)
-        self.forge_backend = backend
         self.forge_enabled = True  # False: gradients flow to W.grad for an ordinary optimizer
         self.forge_name = self.__dict__.get("forge_name", type(self).__name__)  # patch_model: the module name
         self.forge_stats = torch.zeros(2, dtype=torch.float32, device=self.weight.device)
@@ -342,7 +340,7 @@ class FusedWeightMixin:
 
     def forge_salt(self) -> int:
         """The 32-bit key of this layer's stochastic-rounding stream."""
-        key = (self.forge_seed, self.forge_layer_index)
+        key = (self.forge_config.seed, self.forge_layer_index)
         cached = self.__dict__.get("_forge_salt")
         if cached is None or cached[0] != key:
             cached = self._forge_salt = (key, layer_salt(*key))
@@ -351,12 +349,13 @@ class FusedWeightMixin:
     def forge_launcher(self, weight: torch.Tensor, state: ForgeState):
         """The bound fused step of this layer (kernels/dispatch.bind_fused_update), built again
         when the weight, a state slot, the statistics or the backend moved."""
-        key = (self.forge_backend, self.forge_rounding, weight.data_ptr(), tuple(weight.shape),
+        config = self.__dict__["forge_config"]
+        key = (config.backend, config.rounding, weight.data_ptr(), tuple(weight.shape),
                self.forge_stats.data_ptr(), *map(id, state.slots))
         bound = self.__dict__.get("_forge_launch")
         if bound is None or bound[0] != key:
-            launch = bind_fused_update(self.forge_backend, weight, state.kernel_slots(), self.forge_stats,
-                                       self.forge_rule.name, self.forge_rounding == "stochastic")
+            launch = bind_fused_update(config.backend, weight, state.kernel_slots(), self.forge_stats,
+                                       self.forge_rule.name, config.rounding == "stochastic")
             bound = self._forge_launch = (key, launch)
         return bound[1]
 
@@ -410,12 +409,12 @@ class FusedWeightMixin:
                 and all(t.dtype == dtype for t in inputs))
 
     @classmethod
-    def forge_adopt(cls, module: nn.Module, **forge_options):
+    def forge_adopt(cls, module: nn.Module, config: ForgeConfig, layer_index: int = 0):
         """A fused twin of ``module`` that shares its state dicts: the same Parameter
         objects, hooks (their handles keep working) and attributes."""
         layer = cls.__new__(cls)
         layer.__dict__.update(module.__dict__)
-        layer.forge_setup(**forge_options)
+        layer.forge_setup(config, layer_index)
         return layer
 
     def forge_release(self, plain_cls: type) -> nn.Module:
@@ -429,25 +428,34 @@ class FusedWeightMixin:
 
     def forge_extra_repr(self) -> str:
         return (f"optimizer={self.forge_rule.name}, state_precision={self.forge_state.precision}, "
-                f"rounding={self.forge_rounding}")
+                f"rounding={self.forge_config.rounding}")
 
 
 class ForgeLinear(FusedWeightMixin, nn.Linear):
     """nn.Linear with the FORGE fused backward-and-optimizer step."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 dtype=None, **forge_options):
+                 dtype=None, config: ForgeConfig | None = None, **options):
+        config = resolve_config(config, options)
         nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.forge_setup(**forge_options)
+        self.forge_setup(config)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, optimizer: str = "adamw", state_precision: str = "fp32",
-                    rounding: str = "stochastic", seed: int = 0, **hyperparameters) -> ForgeLinear:
-        """A ForgeLinear that shares ``linear``'s Parameter objects (no copy) and hooks."""
+    def from_linear(cls, linear: nn.Linear, config: ForgeConfig | None = None, **options) -> ForgeLinear:
+        """A ForgeLinear that shares ``linear``'s Parameter objects (no copy) and hooks.
+
+        Args:
+            linear: the ``nn.Linear`` to fuse; it is left as it is.
+            config: a ForgeConfig (default: every option's default).
+            **options: ForgeConfig options (``optimizer``, ``state_precision``, ``rounding``,
+                ``backend``, ``seed``) and the rule's hyperparameters (``lr``, ``betas``,
+                ``weight_decay``, ...), applied over ``config``. Without a ForgeOptimizer the
+                layer steps with these hyperparameters (``layer.forge_group``); a
+                ForgeOptimizer built over it makes its param group the layer's.
+        """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
-        return cls.forge_adopt(linear, optimizer=optimizer, state_precision=state_precision,
-                               rounding=rounding, seed=seed, **hyperparameters)
+        return cls.forge_adopt(linear, resolve_config(config, options))
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear with the same Parameter objects and hooks."""

@@ -15,9 +15,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..core.config import DATA_PARALLEL_MODES, did_you_mean
 from ..nn.linear import FusedWeightMixin
-
-MODES = ("sharded", "replicated")
 
 
 def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -217,8 +216,9 @@ class DataParallelFusion(TokenExchange):
     # token gather, which its step waits for, would queue behind this layer's rows.
     def __init__(self, mode: str = "sharded", group=None, block_n: int = 8, row_group=None,
                  counts: TokenCounts | None = None):
-        if mode not in MODES:
-            raise ValueError(f"unknown data-parallel mode={mode!r}: choose one of {list(MODES)}")
+        if mode not in DATA_PARALLEL_MODES:
+            raise ValueError(f"unknown data-parallel mode={mode!r}: choose one of {list(DATA_PARALLEL_MODES)}"
+                             f"{did_you_mean(mode, DATA_PARALLEL_MODES)}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "forge data parallelism needs an initialised torch.distributed process group: "

@@ -1,13 +1,12 @@
 """ForgeOptimizer: the torch.optim.Optimizer facade of a patched model.
 
-Its param_groups hold every trainable parameter, fused weights included, and each fused
-layer's ``forge_group`` *is* the group dict holding its weight, so any LR scheduler drives
-the fused step. ``step()`` updates only what has a ``.grad`` (embeddings, norms, biases,
-layers left unpatched or with fusion switched off): the fused weights were already
-stepped in backward and have none. Those tensors are stepped by the same rule code the
-kernels run (``kernels/reference.py``) applied to the whole tensor, with the same state
-(ForgeState) and the same bf16 / 8-bit stores, so each rule stays written once and Lion
-needs no torch twin.
+Its param_groups own the hyperparameters: they hold every trainable parameter, fused
+weights included, and each fused layer's ``forge_group`` *is* the group dict holding its
+weight (set once, here), so any LR scheduler drives the fused step. ``step()`` updates only
+what has a ``.grad`` (embeddings, norms, biases, layers left unpatched or with fusion
+switched off): the fused weights were already stepped in backward and have none. Those
+tensors are stepped by the same rule code the kernels run (``kernels/reference.py``),
+with the same state (ForgeState) and stores, so each rule stays written once.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from torch import nn
 from ..core.codecs import QuantisedSlot
 from ..core.launch_args import next_launch_args, release_held_args
 from ..core.rounding import layer_salt
-from ..core.rules import get_rule, make_group
 from ..core.state import ForgeState
 from ..kernels.dispatch import resolve_backend
 from ..kernels.launch.fused_update_launch import BoundLaunch
@@ -60,19 +58,28 @@ def _one(layers: dict[str, nn.Module], what: str, read) -> object:
 class ForgeOptimizer(torch.optim.Optimizer):
     """``ForgeOptimizer(model, lr=..., weight_decay=..., betas=..., eps=...)``.
 
-    The rule and state precision are the ones the model was patched with; hyperparameters
-    take torch.optim's names and default to the values given to patch_model (then the
-    rule's). ``decay_parameter_names`` overrides Hugging Face's decay grouping.
+    Args:
+        model: a model patched by ``patch_model`` (the rule, state precision, rounding and
+            backend are those of its ForgeConfig).
+        lr: the learning rate; with ``**hyperparameters``, torch.optim's names (``betas``,
+            ``eps``, ``weight_decay``, ``momentum``, ...). Unset ones default to the values
+            given to patch_model, then to the rule's.
+        decay_parameter_names: the parameters that take weight decay (default: Hugging
+            Face's grouping: not biases and norms).
+        stop_on_nonfinite: raise FloatingPointError after a step that skipped a non-finite
+            tile (default: the patch's ForgeConfig, False).
+
+    Its param_groups own the hyperparameters: a scheduler that changes ``group["lr"]``
+    changes what the fused layers read in their next backward.
 
     After each ``step()``: ``last_grad_norm`` (a 0-dim tensor) is the norm of this step's
     whole gradient, from the kernels' per-tile squared sums plus the ordinary gradients;
     ``pop_nonfinite_tiles()`` returns how many tiles were skipped for a non-finite
-    gradient since it was last called (an ordinary parameter counts as one tile). With
-    ``stop_on_nonfinite=True``, a step that skipped any raises FloatingPointError.
+    gradient since it was last called (an ordinary parameter counts as one tile).
     """
 
     def __init__(self, model: nn.Module, lr: float | None = None, *, decay_parameter_names=None,
-                 stop_on_nonfinite: bool = False, **hyperparameters):
+                 stop_on_nonfinite: bool | None = None, **hyperparameters):
         layers = fused_layers(model)
         if not layers:
             raise ValueError(
@@ -81,12 +88,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
             )
         if fsdp_needed(model):  # fully_shard ran after patch_model: fused layers step their shards
             enable_fsdp(model)
-        rule = get_rule(_one(layers, "optimizer rule", lambda m: m.forge_rule.name))
-        first = next(iter(layers.values()))
+        _one(layers, "optimizer rule", lambda m: m.forge_rule.name)
+        _one(layers, "rounding", lambda m: m.forge_config.rounding)
         if lr is not None:
             hyperparameters["lr"] = lr
-        patched = {k: v for k, v in first.forge_group.items() if k in rule.defaults}
-        defaults = make_group(rule, {**patched, **hyperparameters})
+        config = next(iter(layers.values())).forge_config  # the patch's options
+        config = config.replace(hyperparameters={**config.hyperparameters, **hyperparameters})
+        if stop_on_nonfinite is not None:
+            config = config.replace(stop_on_nonfinite=stop_on_nonfinite)
+        defaults = config.group()
+        rule = config.rule
 
         if decay_parameter_names is None:
             decay_parameter_names = default_decay_parameter_names(model)
@@ -98,11 +109,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         ]
         super().__init__(groups, defaults)
 
+        self.config = config
         self.rule = rule
-        self.stop_on_nonfinite = bool(stop_on_nonfinite)
-        self.stochastic = _one(layers, "rounding", lambda m: m.forge_rounding) == "stochastic"
-        precision = first.forge_state.precision
-        seed = first.forge_seed
+        self.stop_on_nonfinite = config.stop_on_nonfinite
+        self.stochastic = config.rounding == "stochastic"
+        precision = config.state_precision
+        seed = config.seed
         by_weight = {m.weight: m for m in layers.values()}
         self._layers: dict[torch.Tensor, nn.Module] = {}  # fused weight -> its layer
         self._salt: dict[torch.Tensor, int] = {}
@@ -110,7 +122,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if p in by_weight:
                 layer = self._layers[p] = by_weight[p]
                 self.state[p] = layer.forge_state
-                self._salt[p] = layer_salt(layer.forge_seed, layer.forge_layer_index)
+                self._salt[p] = layer_salt(layer.forge_config.seed, layer.forge_layer_index)
             else:
                 self.state[p] = ForgeState(rule, precision)
                 self._salt[p] = layer_salt(seed, -1 - i)  # apart from the fused layers' streams
@@ -120,23 +132,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # the fused layers' backend steps the non-fused tensors too, on a GPU without
         # whole-tensor PyTorch temporaries: the small 1-d ones (norms, biases) in one launch
         # (kernels/triton/multi_tensor.py), the others (embeddings, unfused layers) one launch each
-        self._kernel = resolve_backend(first.forge_backend, self._device) is not reference_fused_update
+        self._kernel = resolve_backend(config.backend, self._device) is not reference_fused_update
         self._nonfinite = torch.zeros((), device=self._device)
         self._launches: dict[torch.Tensor, tuple] = {}  # non-fused tensor -> (its layout, its BoundLaunch)
         self._batches: dict[tuple, MultiTensorRulePass] = {}  # batch_kind -> the one launch of its tensors
         self.last_grad_norm: torch.Tensor | None = None
         self._step_taken = False
-        self.link_layers()
-
-    def link_layers(self) -> None:
-        """Point every fused layer at the param_group dict that holds its weight.
-
-        Needed again whenever the group dicts are replaced (load_state_dict does)."""
-        for group in self.param_groups:
+        for group in self.param_groups:  # the one owner of the hyperparameters from now on
             for p in group["params"]:
-                layer = self._layers.get(p)
-                if layer is not None and layer.forge_group is not group:  # a module's setattr costs: once
-                    layer.forge_group = group
+                if p in self._layers:
+                    self._layers[p].forge_group = group
 
     def params(self) -> list[torch.Tensor]:
         """Every parameter, in state_dict's numbering (param_groups' order)."""
@@ -391,7 +396,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _load(self, state_dict: dict, own_rows) -> None:
         saved = state_dict.get("state", {})
         states = self.state  # ForgeState objects, shared with the fused layers: keep them
+        groups = self.param_groups  # the dicts the fused layers read: keep them too
         super().load_state_dict({**state_dict, "state": {}})  # checks and restores param_groups
+        for group, loaded in zip(groups, self.param_groups):
+            group.clear()
+            group.update(loaded)
+        self.param_groups = groups
         self.state = states
         for i, p in enumerate(self.params()):
             state = self.state[p]
@@ -399,4 +409,3 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 state.load_state_dict(own_rows(p, saved[i]), self._local(p))
             else:
                 state.reset()  # nothing saved: start fresh
-        self.link_layers()  # torch built new group dicts

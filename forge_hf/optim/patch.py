@@ -26,19 +26,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
 
-from ..core.rules import get_rule, make_group
-from ..core.state import check_rounding, check_state_precision
-from ..kernels.dispatch import BACKENDS
+from ..core.config import TRAINER, ForgeConfig, resolve_config, trainer_keys
 from ..nn.conv1d import ForgeConv1D
 from ..nn.linear import WEIGHT_DTYPES, ForgeLinear, FusedWeightMixin
-
-# Below 64K weights (four 128x128 tiles) a fused launch cannot fill a GPU and saves under
-# 256 KiB of gradient; a torch optimizer steps such tensors in one batched launch.
-# PEFT adapters (LoRA's lora_A / lora_B, ...) stay on the ordinary path too while
-# min_params > 0, whatever their size: their gradients are a few MiB, formed after the
-# step's memory peak, and a fused step over rank-r rows is slower (H200, all-linear LoRA,
-# rank 8 to 64: the same peak, 8 to 128% longer steps; README "LoRA and PEFT").
-DEFAULT_MIN_PARAMS = 1 << 16
 
 # Skip reasons (PatchReport.skipped[i].reason); each skipped tensor is stepped by the
 # ordinary optimizer.
@@ -98,9 +88,7 @@ class Skipped:
 class PatchReport:
     """What patch_model did: ``print(report)`` shows it as a table."""
 
-    optimizer: str
-    state_precision: str
-    rounding: str
+    config: ForgeConfig
     fused: list[FusedModule] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     fell_back: list[Skipped] = field(default_factory=list)  # reason FELL_BACK, detail: the layer's reason
@@ -138,8 +126,8 @@ class PatchReport:
         fell_back = f", {len(self.fell_back)} fell back" if self.fell_back else ""
         return (f"forge patch: {len(self.fused)} modules fused ({self.fused_params:,} parameters, "
                 f"{_size(self.gradient_bytes_saved)} of gradients never allocated){fell_back}, "
-                f"{len(self.skipped)} skipped; optimizer={self.optimizer}, "
-                f"state_precision={self.state_precision}, rounding={self.rounding}")
+                f"{len(self.skipped)} skipped; optimizer={self.config.optimizer}, "
+                f"state_precision={self.config.state_precision}, rounding={self.config.rounding}")
 
     def __str__(self) -> str:
         fused = [(m.name, m.kind, " x ".join(map(str, m.shape)), f"{m.params:,}") for m in self.fused]
@@ -170,17 +158,6 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 # ----------------------------------------------------------------------------- patterns
 
 
-def _pattern_list(patterns, what: str) -> list[str]:
-    if patterns is None:
-        return []
-    if isinstance(patterns, str):
-        return [patterns]
-    patterns = list(patterns)
-    if not all(isinstance(p, str) and p for p in patterns):
-        raise TypeError(f"{what}={patterns!r}: give module-name patterns as non-empty strings")
-    return patterns
-
-
 def _matches(name: str, pattern: str) -> bool:
     """``pattern`` matches a run of whole dot-separated parts of ``name``."""
     return any(fnmatchcase(name, p) for p in (pattern, f"*.{pattern}", f"{pattern}.*", f"*.{pattern}.*"))
@@ -190,7 +167,7 @@ def _first_match(name: str, patterns: list[str]) -> str | None:
     return next((p for p in patterns if _matches(name, p)), None)
 
 
-def _check_patterns(patterns: list[str], what: str, names: list[str], model: nn.Module) -> None:
+def _check_patterns(patterns: tuple[str, ...], what: str, names: list[str], model: nn.Module) -> None:
     for p in patterns:
         if not any(_matches(n, p) for n in names):
             examples = ", ".join(repr(n) for n in names[:3]) or "none"
@@ -278,7 +255,7 @@ def _plain_type(module: nn.Module) -> type | None:
 def _skip_reason(name, module, *, include, exclude, owners, embeddings, read_heads, adapters, min_params):
     """(reason, detail) when ``module`` must not be fused, else None."""
     if include and _first_match(name, include) is None:
-        return NOT_INCLUDED, f"matches no include pattern {include}"
+        return NOT_INCLUDED, f"matches no include pattern {list(include)}"
     pattern = _first_match(name, exclude)
     if pattern is not None:
         return EXCLUDED, f"matches exclude pattern {pattern!r}"
@@ -341,35 +318,42 @@ def _release(layer: nn.Module) -> nn.Module:
 # ----------------------------------------------------------------------------- public API
 
 
-def patch_model(model: nn.Module, optimizer: str = "adamw", state_precision: str = "fp32",
-                rounding: str = "stochastic", include=None, exclude=None, seed: int = 0,
-                backend: str = "auto", min_params: int = DEFAULT_MIN_PARAMS,
-                **hyperparameters) -> PatchReport:
+def patch_model(model: nn.Module, config: ForgeConfig | None = None, **options) -> PatchReport:
     """Replace every eligible linear of ``model`` by its fused twin (same Parameter objects).
 
-    ``include`` / ``exclude``: a pattern or a list of them (module docstring); with
-    ``include`` only matching modules are considered. ``min_params``: smaller weights, and
-    PEFT adapters, stay on the ordinary optimizer; 0 fuses them all. ``hyperparameters``
-    (lr, betas, ...) as in ``ForgeLinear.from_linear``. Layers get consecutive
-    ``layer_index`` values, so their stochastic-rounding streams differ.
+    Args:
+        model: the model to patch in place (any ``nn.Module`` holding ``nn.Linear`` or
+            transformers ``Conv1D`` modules).
+        config: a ForgeConfig; default: every option's default.
+        **options: ForgeConfig options applied over ``config``: ``optimizer`` (the rule,
+            default "adamw"), ``state_precision``, ``rounding``, ``backend``, ``seed``,
+            ``include`` / ``exclude`` (a module-name pattern or a list of them, see the
+            module docstring; with ``include`` only matching modules are considered),
+            ``min_params`` (smaller weights, and PEFT adapters, stay on the ordinary
+            optimizer; 0 fuses them all), and the rule's hyperparameters (``lr``,
+            ``betas``, ``weight_decay``, ...), which a ForgeOptimizer built later takes as
+            its defaults.
 
-    Patching again keeps already-fused modules with their state (it refuses a different
-    optimizer, state_precision or rounding: unpatch_model first); one that the new
-    arguments skip is restored to a plain module.
+    Returns:
+        A PatchReport: what was fused and what was skipped, with each reason.
+
+    Layers get consecutive ``layer_index`` values, so their stochastic-rounding streams
+    differ. Patching again keeps already-fused modules with their state (it refuses a
+    different optimizer, state_precision or rounding: unpatch_model first); one that the new
+    arguments skip is restored to a plain module. Nothing changes when an argument is bad.
     """
-    rule = get_rule(optimizer)
-    make_group(rule, hyperparameters)  # bad hyperparameters fail before anything changes
-    check_state_precision(state_precision)
-    check_rounding(rounding)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend={backend!r}: choose one of {list(BACKENDS)}")
-    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
-        raise ValueError(f"min_params={min_params!r} is not a count: use an integer >= 0 "
-                         "(0 fuses every eligible linear)")
+    keys = trainer_keys()
+    trainer_only = sorted(k for k in options if k in keys and keys[k].metadata["used_by"] == TRAINER)
+    if trainer_only:
+        raise TypeError(
+            f"patch_model does not take {trainer_only}: ForgeTrainer acts on them (optim_args). In your own "
+            "loop call forge_hf.recompute_swiglu(model), forge_hf.enable_data_parallel(model, mode=...), "
+            "forge_hf.GraphedStep or forge_hf.causal_lm_loss yourself")
+    config = resolve_config(config, options)
     if isinstance(model, PLAIN_TYPES):
         raise TypeError(f"patch_model walks a model's submodules, got a bare {type(model).__name__}: "
                         "use ForgeLinear.from_linear / ForgeConv1D.from_conv1d for a single layer")
-    include, exclude = _pattern_list(include, "include"), _pattern_list(exclude, "exclude")
+    include, exclude, min_params = config.include, config.exclude, config.min_params
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, PLAIN_TYPES)]
     names = [n for n, _ in linears]
     _check_patterns(include, "include", names, model)
@@ -380,17 +364,17 @@ def patch_model(model: nn.Module, optimizer: str = "adamw", state_precision: str
                  embeddings={id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)})
     decisions = [(n, m, _skip_reason(n, m, **facts)) for n, m in linears]
 
-    wanted = (rule.name, state_precision, rounding)
+    wanted = (config.optimizer, config.state_precision, config.rounding)
     for name, module, skip in decisions:
         if isinstance(module, FusedWeightMixin) and skip is None:
-            have = (module.forge_rule.name, module.forge_state.precision, module.forge_rounding)
+            have = (module.forge_rule.name, module.forge_state.precision, module.forge_config.rounding)
             if have != wanted:
                 raise ValueError(
                     f"{name} is already fused with optimizer, state_precision, rounding = {have}, "
                     f"not {wanted}: call forge_hf.unpatch_model(model) first to patch it anew"
                 )
 
-    report = PatchReport(rule.name, state_precision, rounding)
+    report = PatchReport(config)
     next_index = 1 + max((m.forge_layer_index for _, m, _ in decisions if isinstance(m, FusedWeightMixin)),
                          default=-1)
     for name, module, skip in decisions:
@@ -405,9 +389,7 @@ def patch_model(model: nn.Module, optimizer: str = "adamw", state_precision: str
         if not isinstance(module, FusedWeightMixin):
             plain = _plain_type(module)
             original = type(module)
-            module = FUSED_TYPES[plain].forge_adopt(module, optimizer=rule.name, state_precision=state_precision,
-                                                    rounding=rounding, seed=seed, layer_index=next_index,
-                                                    backend=backend, **hyperparameters)
+            module = FUSED_TYPES[plain].forge_adopt(module, config, layer_index=next_index)
             module.forge_name = name
             if original is not plain:
                 module.forge_plain_class = original  # unpatch_model restores it

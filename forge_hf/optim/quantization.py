@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.codecs import decode, encode, slot_codec
+from ..core.config import ForgeConfig
 from ..core.rules import get_rule, make_group
-from ..core.state import check_state_precision
 from ..kernels.reference import RULE_UPDATES
 
 SPREADS = {"narrow": 0.5, "medium": 2.0, "wide": 6.0}  # sigma of log2 of the scale, bits
@@ -82,7 +82,7 @@ def quantization_report(states: dict | None = None, grad: torch.Tensor | None = 
     """Reconstruction error and E_upd of ``precision`` on ``states`` ({slot name: (out, in)
     tensor}, with their ``grad``) or on synthetic log-normal states of ``spread``.
     ``hyperparameters`` go to the rule (lr is 1 and weight_decay 0 unless given)."""
-    check_state_precision(precision)
+    ForgeConfig(state_precision=precision)  # a bad precision raises, naming the choices
     r = get_rule(rule)
     hyperparameters = {"lr": 1.0, "weight_decay": 0.0, **hyperparameters}
     if states is None:

@@ -6,14 +6,10 @@ already (``use_liger_kernel``, ``gradient_checkpointing``, ``seed``/``data_seed`
 ``optim``), so they are not repeated here."""
 
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Literal
 
-from ..core.state import ROUNDINGS, STATE_PRECISIONS
-from ..integrations.cuda_graph import MODES as CUDA_GRAPH_MODES
-from ..kernels.dispatch import BACKENDS
-from ..optim.distributed import MODES
-from ..optim.patch import DEFAULT_MIN_PARAMS
+from ..core.config import _default, option_type, trainer_keys
 
 OMI2_COLUMNS = ("problem", "generated_solution", "expected_answer", "problem_source")
 
@@ -80,49 +76,29 @@ class DataArguments:
                              f"{{}}-placeholders from {list(OMI2_COLUMNS)}")
 
 
-@dataclass
-class ForgeArguments:
-    """ForgeTrainer's options (integrations/trainer.py: OPTION_TYPES), merged into
-    TrainingArguments.optim_args. Defaults (None) leave patch_model's and ForgeTrainer's own."""
+def _forge_field(option) -> tuple[str, object, object]:
+    """The recipe key ``forge_<name>`` of a ForgeConfig option: its choices or type, unset by
+    default (the config's own default applies)."""
+    choices, kind = option.metadata["choices"], option_type(option)
+    hint = Literal[choices] if choices else list[str] if kind is list else kind
+    default = _default(option)
+    if isinstance(default, tuple):
+        unset = ", ".join(default) or "none"
+    else:
+        unset = f"{default:,}" if type(default) is int else str(default).lower()
+    return (f"forge_{option.name}", hint | None,
+            field(default=None, metadata={"help": f"{option.metadata['help']} Unset: {unset}."}))
 
-    _argument_group_name = "forge"
 
-    forge_state_precision: Literal[STATE_PRECISIONS] | None = field(  # type: ignore[valid-type]
-        default=None, metadata={"help": "Optimizer-state storage of the fused layers: fp32, bf16, or 8-bit "
-                                        "int8 / al8 (codes with per-block scales); unset: fp32."})
-    forge_rounding: Literal[ROUNDINGS] | None = field(  # type: ignore[valid-type]
-        default=None, metadata={"help": "How bf16 weights and states are rounded when stored: stochastic "
-                                        "or nearest; unset: stochastic."})
-    forge_backend: Literal[BACKENDS] | None = field(  # type: ignore[valid-type]
-        default=None, metadata={"help": "What runs the fused step: triton (GPU kernels; needs a CUDA GPU), "
-                                        "reference (PyTorch, runs anywhere) or auto (triton where it can "
-                                        "run, else reference); unset: auto."})
-    forge_include: list[str] | None = field(
-        default=None, metadata={"help": "Fuse only modules matching these names or patterns."})
-    forge_exclude: list[str] | None = field(
-        default=None, metadata={"help": "Never fuse modules matching these names or patterns."})
-    forge_min_params: int | None = field(
-        default=None, metadata={"help": "Weights with fewer entries stay on the ordinary optimizer; 0 fuses "
-                                        f"every eligible linear; unset: {DEFAULT_MIN_PARAMS:,}."})
-    forge_stop_on_nonfinite: bool | None = field(
-        default=None, metadata={"help": "Stop training when a tile's gradient is not finite; unset: false."})
-    forge_data_parallel: Literal[MODES] | None = field(  # type: ignore[valid-type]
-        default=None, metadata={"help": "Several processes: sharded (each rank keeps the states of its "
-                                        "weight rows) or replicated; unset: sharded."})
-    forge_recompute_swiglu: bool | None = field(
-        default=None, metadata={"help": "SwiGLU MLPs keep gate and up only and form their product again "
-                                        "in backward (forge_hf.recompute_swiglu): less activation memory; "
-                                        "unset: false."})
-    forge_cuda_graph: Literal[CUDA_GRAPH_MODES] | None = field(  # type: ignore[valid-type]
-        default=None, metadata={"help": "Capture each training step as a CUDA graph and replay it (less host "
-                                        "overhead): auto (where the step can be captured), true (refuse to "
-                                        "train otherwise) or false; unset: auto."})
-    forge_lean_loss: bool | None = field(
-        default=None, metadata={"help": "Compute the loss by forge's chunked cross-entropy: Hugging "
-                                        "Face's causal-LM loss without its fp32 copy of the logits and their "
-                                        "gradient (less memory at large vocabularies); not with Liger's fused "
-                                        "linear cross-entropy (use_liger_kernel); unset: false."})
+def _set_options(self) -> dict:
+    """The options the recipe sets, by ForgeConfig name (state_precision, rounding, ...)."""
+    return {name.removeprefix("forge_"): value for name, value in vars(self).items() if value is not None}
 
-    def options(self) -> dict:
-        """The set options, under patch_model's names (state_precision, rounding, ...)."""
-        return {name.removeprefix("forge_"): value for name, value in vars(self).items() if value is not None}
+
+# ForgeTrainer's options as recipe keys: one forge_<name> field per ForgeConfig option that
+# TrainingArguments' optim_args could set, so the two cannot drift apart
+ForgeArguments = make_dataclass(
+    "ForgeArguments", [_forge_field(option) for option in trainer_keys().values()],
+    namespace={"_argument_group_name": "forge", "options": _set_options,
+               "__doc__": "The recipe's forge_* keys: ForgeConfig's options (core/config.py)."})
+ForgeArguments.__module__ = __name__

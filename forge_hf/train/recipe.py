@@ -16,7 +16,6 @@ with one line (file, key, value, fix) before anything loads or is written.
 """
 
 import argparse
-import difflib
 import enum
 import glob
 import importlib.util
@@ -32,19 +31,10 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..core.rules import get_rule, make_group
-from ..core.state import check_rounding, check_state_precision
+from ..core.config import ForgeConfig, closest, trainer_keys
 from ..integrations.lean_loss import check_lean_loss
-from ..integrations.trainer import (  # registers the forge_* optim names
-    OPTIMIZER_NAMES,
-    OPTION_TYPES,
-    PREFIX,
-    ForgeOptions,
-    check_training_arguments,
-    forge_options,
-    rule_name,
-)
-from ..kernels.dispatch import check_backend
+from ..integrations.trainer import check_training_arguments  # registers the forge_* optim names
+from ..integrations.training_args import OPTIMIZER_NAMES, PREFIX, config_from_training_args, rule_name
 from .arguments import DataArguments, ForgeArguments, ModelArguments
 from .data import LOCAL_FORMATS
 
@@ -58,7 +48,7 @@ OPTIM_ARGS_HELP = (
     "Comma-separated key=value options of the optimizer. For optim: forge_<rule>, the rule's own "
     "hyperparameters (e.g. momentum=0.9 for forge_sgd; lr, weight_decay, betas and eps come from "
     "learning_rate, weight_decay, adam_beta1/adam_beta2 and adam_epsilon) and the forge options "
-    f"{', '.join(OPTION_TYPES)} (lists '|'-joined), which the forge_* keys set one by one."
+    f"{', '.join(trainer_keys())} (lists '|'-joined), which the forge_* keys set one by one."
 )
 
 
@@ -73,6 +63,7 @@ class Recipe:
     data: DataArguments
     forge: ForgeArguments
     training: TrainingArguments
+    config: ForgeConfig | None = None  # built from forge and training by check_recipe
 
 
 def recipe_parser() -> HfArgumentParser:
@@ -198,16 +189,6 @@ def not_a_forge_optimizer(optim) -> str:
     close = max((r for r in rules if r in bare), key=len, default=None) or closest(bare, rules)
     suggestion = f"did you mean {PREFIX + close!r}? " if close else ""
     return f"optim={name!r} is not a forge optimizer: {suggestion}forge-hf trains with {', '.join(OPTIMIZER_NAMES)}"
-
-
-def closest(word: str, choices) -> str | None:
-    """The choice most like ``word`` (difflib's ratio, at least 0.6), ties going to the
-    longer common prefix: 'adamm' is closer to 'adamw' than to 'radam'."""
-    def likeness(choice):
-        return difflib.SequenceMatcher(None, word, choice).ratio(), len(os.path.commonprefix([word, choice]))
-
-    best = max(choices, key=likeness, default=None)
-    return best if best is not None and likeness(best)[0] >= 0.6 else None
 
 
 def _matches(value, hint):
@@ -355,51 +336,32 @@ def check_recipe(recipe: Recipe) -> None:
 
     if rule_name(t.optim) is None:
         fail(not_a_forge_optimizer(t.optim))
-    t.optim_args = merge_optim_args(t.optim_args, f.options(), fail)
-    try:  # ForgeTrainer's own refusals, reported now rather than after the model loads
-        options = forge_options(t)
+    try:  # the options and ForgeTrainer's own refusals, reported now rather than after the model loads
+        recipe.config = config_from_training_args(t, f.options())
         check_training_arguments(t)
     except ValueError as e:
         fail(str(e))
-    _check_forge_options(options, f, t, fail)
+    _check_config_fits(recipe.config, f, t, fail)
 
 
-def _check_forge_options(o: ForgeOptions, forge: ForgeArguments, t: TrainingArguments, fail) -> None:
-    """What patch_model and the fused step would refuse once the model is loaded. The
-    forge_* keys' choices are checked as they are parsed; this covers optim_args too."""
+def _check_config_fits(config: ForgeConfig, forge, t: TrainingArguments, fail) -> None:
+    """What the options ask that the machine or the other arguments cannot give, found
+    before the model is loaded."""
 
     def key(name: str) -> str:  # the recipe key that set the option
         return f"forge_{name}" if getattr(forge, f"forge_{name}") is not None else f"optim_args {name}"
 
-    for name, check in (("state_precision", check_state_precision), ("rounding", check_rounding),
-                        ("backend", check_backend)):
-        if name in o.patch:
-            try:
-                check(o.patch[name])
-            except ValueError as e:
-                fail(f"{key(name)}: {e}")
-    if o.patch.get("min_params", 0) < 0:
-        fail(f"{key('min_params')}={o.patch['min_params']} is not a count: use 0 (fuse every eligible "
-             "linear) or more")
-    for name in ("include", "exclude"):
-        if "" in o.patch.get(name, []):
-            fail(f"{key(name)}={o.patch[name]} holds an empty pattern: give module names or globs such "
-                 "as q_proj or layers.0")
-    try:
-        make_group(get_rule(o.rule), o.hyperparameters)
-    except (TypeError, ValueError) as e:
-        fail(str(e))
-    missing = _triton_missing(t) if o.patch.get("backend") == "triton" else None
+    missing = _triton_missing(t) if config.backend == "triton" else None
     if missing:
         fail(f"{key('backend')}='triton' needs Triton and a CUDA GPU, but {missing}: use auto (Triton "
              "where it can run, else the reference backend) or reference")
-    if o.lean_loss:
+    if config.lean_loss:
         try:
             check_lean_loss(t, option=f"{key('lean_loss')}=true")
         except ValueError as e:
             fail(str(e))
-    if o.cuda_graph == "true":
-        uncapturable = _uncapturable(o, t)
+    if config.cuda_graph == "true":
+        uncapturable = _uncapturable(config, t)
         if uncapturable:
             fail(f"{key('cuda_graph')}=true refuses to train without a CUDA graph, and {uncapturable}: use auto "
                  "(captures where it can) or false")
@@ -418,7 +380,7 @@ def _triton_missing(t: TrainingArguments) -> str | None:
     return None
 
 
-def _uncapturable(o: ForgeOptions, t: TrainingArguments) -> str | None:
+def _uncapturable(o: ForgeConfig, t: TrainingArguments) -> str | None:
     """What of the recipe keeps any step from being captured (integrations/cuda_graph.py)."""
     if t.gradient_checkpointing:  # transformers 5.2x mirrors activation_checkpointing here
         return "activation checkpointing recomputes the forward inside backward, which a capture cannot hold"
@@ -463,15 +425,3 @@ def _expand_data_files(patterns: list[str], fail) -> list[str]:
     if None in formats or len(formats) > 1:
         fail(f"data_files: {files} must all be .jsonl/.json or all .parquet")
     return files
-
-
-def merge_optim_args(optim_args: str | None, options: dict, fail) -> str:
-    """optim_args with the forge_* options added as key=value pairs (lists '|'-joined, as
-    integrations/trainer.py reads them)."""
-    pairs = [p for p in (optim_args or "").replace(" ", "").split(",") if p]
-    given = {p.split("=", 1)[0] for p in pairs}
-    for key, value in options.items():
-        if key in given:
-            fail(f"{key} is set twice, as forge_{key} and inside optim_args={optim_args!r}: keep one")
-        pairs.append(f"{key}={'|'.join(value) if isinstance(value, list) else value}")
-    return ",".join(pairs)

@@ -74,7 +74,8 @@ def run(recipe: Recipe) -> dict:
     train_blocks, eval_blocks = build_datasets(recipe.data, tokenizer, data_seed)
     clock = RunClock()
     trainer = ForgeTrainer(model=model, args=args, train_dataset=train_blocks, eval_dataset=eval_blocks,
-                           processing_class=tokenizer, data_collator=default_data_collator, callbacks=[clock])
+                           processing_class=tokenizer, data_collator=default_data_collator, callbacks=[clock],
+                           forge_config=recipe.config)  # the options of the recipe's forge_* keys
     try:  # patch now (train() would): the patch's refusals are the recipe's, and its report is shown first
         trainer.create_optimizer()
     except ValueError as e:

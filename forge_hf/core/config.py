@@ -1,0 +1,206 @@
+"""ForgeConfig: every forge option, declared once and validated once, where the user hands it
+in (keyword arguments, a TrainingArguments' ``optim_args``, a recipe's ``forge_*`` keys).
+Every other module reads the options from this object; the rule's hyperparameters are
+owned by the optimizer's param groups once it exists (optim/optimizer.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+
+from .rules import RULES, Rule, get_rule, make_group
+
+STATE_PRECISIONS = ("fp32", "bf16", "int8", "al8")
+ROUNDINGS = ("stochastic", "nearest")
+BACKENDS = ("auto", "triton", "reference")
+DATA_PARALLEL_MODES = ("sharded", "replicated")
+CUDA_GRAPH_MODES = ("auto", "true", "false")
+
+# Below 64K weights (four 128x128 tiles) a fused launch cannot fill a GPU and saves under
+# 256 KiB of gradient; a torch optimizer steps such tensors in one batched launch.
+# PEFT adapters (LoRA's lora_A / lora_B, ...) stay on the ordinary path too while
+# min_params > 0, whatever their size: their gradients are a few MiB, formed after the
+# step's memory peak, and a fused step over rank-r rows is slower (docs/performance.md).
+DEFAULT_MIN_PARAMS = 1 << 16
+
+# Who acts on an option: patch_model, ForgeOptimizer, or only ForgeTrainer.
+PATCH, OPTIMIZER, TRAINER = "patch_model", "ForgeOptimizer", "ForgeTrainer"
+
+
+def _option(default, used_by: str, help: str, choices: tuple | None = None, trainer_key: bool = True):
+    """A ForgeConfig field. ``trainer_key``: settable as an optim_args key and a recipe's
+    ``forge_<name>`` key (the optimizer name, seed and hyperparameters come from
+    TrainingArguments' own fields instead)."""
+    kwargs = dict(default_factory=default) if callable(default) else dict(default=default)
+    return field(**kwargs, metadata=dict(used_by=used_by, help=help, choices=choices, trainer_key=trainer_key))
+
+
+@dataclass(frozen=True)
+class ForgeConfig:
+    """The options of a forge run (the README's options table). Build it with keyword
+    arguments (``ForgeConfig(state_precision="bf16", hyperparameters={"lr": 1e-4})``, or
+    ``ForgeConfig.from_options(state_precision="bf16", lr=1e-4)``) or from TrainingArguments
+    (``from_training_args``); a bad value raises at once, naming it and the fix."""
+
+    optimizer: str = _option("adamw", PATCH, "The element-wise rule: " + ", ".join(RULES) + ".",
+                             tuple(RULES), trainer_key=False)
+    state_precision: str = _option(
+        "fp32", PATCH, "Optimizer-state storage of the fused layers: fp32, bf16, or 8-bit int8 / al8 (codes "
+        "with per-block scales).", STATE_PRECISIONS)
+    rounding: str = _option("stochastic", PATCH, "How bf16 weights and states are rounded when stored.",
+                            ROUNDINGS)
+    backend: str = _option(
+        "auto", PATCH, "What runs the fused step: triton (GPU kernels; needs a CUDA GPU), reference (PyTorch, "
+        "runs anywhere) or auto (triton where it can run, else reference).", BACKENDS)
+    include: tuple[str, ...] = _option(tuple, PATCH, "Fuse only modules matching these names or patterns.")
+    exclude: tuple[str, ...] = _option(tuple, PATCH, "Never fuse modules matching these names or patterns.")
+    min_params: int = _option(
+        DEFAULT_MIN_PARAMS, PATCH, "Weights with fewer entries, and PEFT adapters, stay on the ordinary "
+        "optimizer; 0 fuses every eligible linear.")
+    seed: int = _option(0, PATCH, "Seed of the stochastic-rounding streams (ForgeTrainer: TrainingArguments.seed).",
+                        trainer_key=False)
+    stop_on_nonfinite: bool = _option(False, OPTIMIZER, "Stop training when a tile's gradient is not finite.")
+    data_parallel: str = _option(
+        "sharded", TRAINER, "Several processes: sharded (each rank keeps the states of its weight rows) or "
+        "replicated.", DATA_PARALLEL_MODES)
+    recompute_swiglu: bool = _option(
+        False, TRAINER, "SwiGLU MLPs keep gate and up only and form their product again in backward "
+        "(forge_hf.recompute_swiglu): less activation memory.")
+    cuda_graph: str = _option(
+        "auto", TRAINER, "Capture each training step as a CUDA graph and replay it: auto (where the step can be "
+        "captured), true (refuse to train otherwise) or false.", CUDA_GRAPH_MODES)
+    lean_loss: bool = _option(
+        False, TRAINER, "Compute the loss by forge's chunked cross-entropy: the causal-LM loss without an fp32 "
+        "copy of the logits and their gradient; not with Liger's fused linear cross-entropy.")
+    hyperparameters: dict = _option(
+        dict, OPTIMIZER, "The rule's own hyperparameters under torch.optim's names (lr, betas, eps, "
+        "weight_decay, momentum, ...); unset ones take the rule's defaults.", trainer_key=False)
+
+    def __post_init__(self):
+        for f in fields(self):
+            _check(self, f)
+        # a copy: the caller's dict may change after; read it, never change it
+        object.__setattr__(self, "hyperparameters", dict(self.hyperparameters))
+
+    # ------------------------------------------------------------------ builders
+
+    @classmethod
+    def from_options(cls, **options) -> ForgeConfig:
+        """A config from keyword arguments: the option names, and the rule's hyperparameters
+        (``lr=1e-4, betas=(0.9, 0.95)``) as they are."""
+        names = {f.name for f in fields(cls)} - {"hyperparameters"}
+        hyperparameters = {k: v for k, v in options.items() if k not in names}
+        return cls(**{k: v for k, v in options.items() if k in names}, hyperparameters=hyperparameters)
+
+    def replace(self, **options) -> ForgeConfig:
+        """A copy with ``options`` changed (validated again)."""
+        return dataclasses.replace(self, **options)
+
+    @property
+    def rule(self) -> Rule:
+        return RULES[self.optimizer]
+
+    def group(self) -> dict:
+        """A param-group dict of the rule: its defaults overridden by the hyperparameters."""
+        return make_group(self.rule, dict(self.hyperparameters))
+
+    def trainer_options(self) -> dict:
+        """The options a TrainingArguments' optim_args could set (name -> value) that differ
+        from their defaults, and the rule's hyperparameters."""
+        return {**{name: getattr(self, name) for name, f in trainer_keys().items()
+                   if getattr(self, name) != _default(f)}, **self.hyperparameters}
+
+
+def trainer_keys() -> dict[str, dataclasses.Field]:
+    """The options a TrainingArguments' optim_args and a recipe's forge_* keys set, by name."""
+    return {f.name: f for f in fields(ForgeConfig) if f.metadata["trainer_key"]}
+
+
+def option_type(f: dataclasses.Field) -> type:
+    """What an option's text is read as: bool, int, list (of patterns) or str."""
+    return {"bool": bool, "int": int, "tuple[str, ...]": list}.get(str(f.type), str)
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+class OptionError(ValueError):
+    """A forge option with a value it cannot take; ``option`` names it."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+class OptionTypeError(TypeError):
+    """A forge option of the wrong type; ``option`` names it."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+def closest(word: str, choices) -> str | None:
+    """The choice most like ``word`` (difflib's ratio, at least 0.6), ties going to the
+    longer common prefix: 'adamm' is closer to 'adamw' than to 'radam'."""
+    def likeness(choice):
+        return difflib.SequenceMatcher(None, word, choice).ratio(), len(os.path.commonprefix([word, choice]))
+
+    best = max(choices, key=likeness, default=None)
+    return best if best is not None and likeness(best)[0] >= 0.6 else None
+
+
+def did_you_mean(word, choices) -> str:
+    """' (did you mean 'x'?)' for the closest choice, or ''."""
+    close = closest(str(word), [str(c) for c in choices])
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def _check(config: ForgeConfig, f: dataclasses.Field) -> None:
+    name, value = f.name, getattr(config, f.name)
+    if name == "optimizer":
+        try:
+            object.__setattr__(config, name, get_rule(value).name)
+        except (ValueError, AttributeError):
+            raise OptionError(name, f"unknown optimizer {value!r} for forge: choose one of {sorted(RULES)}"
+                                    f"{did_you_mean(value, RULES)}") from None
+    elif f.metadata["choices"] is not None:
+        if value not in f.metadata["choices"]:
+            raise OptionError(name, f"unknown {name}={value!r}: choose one of {list(f.metadata['choices'])}"
+                                    f"{did_you_mean(value, f.metadata['choices'])}")
+    elif name in ("include", "exclude"):
+        patterns = (value,) if isinstance(value, str) else tuple(value or ())
+        if not all(isinstance(p, str) and p for p in patterns):
+            raise OptionTypeError(name, f"{name}={value!r}: give module-name patterns as non-empty strings")
+        object.__setattr__(config, name, patterns)
+    elif name in ("min_params", "seed"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            fix = "an integer >= 0 (0 fuses every eligible linear)" if name == "min_params" else "an integer >= 0"
+            raise OptionError(name, f"{name}={value!r} is not a count: use {fix}")
+    elif f.type == "bool":
+        if not isinstance(value, bool):
+            raise OptionError(name, f"{name}={value!r}: use True or False")
+    elif name == "hyperparameters":
+        try:
+            make_group(get_rule(config.optimizer), dict(value))
+        except (TypeError, ValueError) as e:
+            raise (OptionTypeError if isinstance(e, TypeError) else OptionError)(name, str(e)) from None
+
+
+def resolve_config(config: ForgeConfig | None, options: dict) -> ForgeConfig:
+    """The config an entry point that takes ``config=`` and keyword options works with:
+    ``config`` (default: every option's default) with ``options`` applied, hyperparameters
+    merged."""
+    if config is None:
+        return ForgeConfig.from_options(**options)
+    if not isinstance(config, ForgeConfig):
+        raise TypeError(f"config={config!r} is not a ForgeConfig: build one with forge_hf.ForgeConfig(...), "
+                        "or pass the options as keyword arguments")
+    if not options:
+        return config
+    names = {f.name for f in fields(ForgeConfig)} - {"hyperparameters"}
+    hyperparameters = {**config.hyperparameters, **{k: v for k, v in options.items() if k not in names}}
+    return config.replace(**{k: v for k, v in options.items() if k in names}, hyperparameters=hyperparameters)
