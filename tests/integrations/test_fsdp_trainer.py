@@ -107,6 +107,7 @@ def one_process(tmp_path_factory, single_thread):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,name", _per_launch())
 def test_fsdp2_trainer_follows_one_process(world, name, launched, one_process):
     """After STEPS steps the gathered weights are one process's on the concatenated batches,
@@ -144,6 +145,7 @@ def test_fsdp2_trainer_follows_one_process(world, name, launched, one_process):
         assert_states(r["optimizer"]["state"], states["state"], exact=False, what=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,name", _per_launch(resuming=True))
 def test_resume_from_an_fsdp2_checkpoint_is_bit_identical(world, name, launched):
     """A checkpoint at step SAVE_AT, resumed by a fresh ForgeTrainer, ends where the run that
@@ -160,6 +162,7 @@ def test_resume_from_an_fsdp2_checkpoint_is_bit_identical(world, name, launched)
     assert expected <= set(r["files"]) and "optimizer_0" not in r["files"], r["files"]
 
 
+@pytest.mark.slow
 def test_a_sharded_optimizer_checkpoint_loads_into_another_world_size(launched):
     """World 2's DCP optimizer checkpoint loaded by 3 ranks (rows split 11/11/10 where 2 ranks
     split 16/16) gathers to what 2 ranks load from it, bit for bit, 8-bit codes included."""
@@ -167,6 +170,7 @@ def test_a_sharded_optimizer_checkpoint_loads_into_another_world_size(launched):
                         exact=True, what="resharded")
 
 
+@pytest.mark.slow
 def test_cuda_graph_true_is_refused_under_fsdp2(launched):
     assert "cuda_graph=true is not supported under FSDP2" in launched(2)["graph_refused"]
 
@@ -241,6 +245,7 @@ def test_a_callers_forge_optimizer_is_refused_under_fsdp2(tmp_path, monkeypatch)
 # ------------------------------------------------------------------- GPU
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("accelerate_launch", [False, True], ids=["torchrun-training-arguments", "accelerate-config"])
 def test_world_of_one_on_a_gpu(accelerate_launch, tmp_path, one_process):

@@ -423,6 +423,7 @@ print("FORGE_OK", trainer.state.global_step, trainer.accelerator.num_processes)
 """
 
 
+@pytest.mark.slow
 def test_accelerate_launch_one_process(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(LAUNCHED).replace("OUT", repr(str(tmp_path / "out"))))

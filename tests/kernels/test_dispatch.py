@@ -53,6 +53,7 @@ def test_auto_takes_the_reference_on_cpu_without_the_interpreter(monkeypatch):
     assert resolve_backend("reference", CPU) is reference_fused_update
 
 
+@pytest.mark.slow
 def test_triton_on_cpu_without_the_interpreter_is_refused_in_a_fresh_process():
     """In a process where TRITON_INTERPRET was never set (Triton's kernels, if imported,
     were made for a GPU) a CPU weight with backend='triton' gets the one-line fix."""

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the compilers run in child processes
+
 WEIGHT_STATE = ["fp32-fp32", "bf16-bf16", "fp32-bf16", "bf16-int8", "bf16-al8",
                 "bf16-bf16-grad", "bf16-int8-grad"]  # -grad: ForgeOptimizer's non-fused step
 RULE_NAMES = ["adagrad", "adamw", "lion", "nadam", "radam", "rmsprop", "sgd"]

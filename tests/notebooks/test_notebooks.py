@@ -25,6 +25,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SMOKE = ROOT / "forge_hf" / "assets" / "smoke"
 KERNEL = "forge-hf-tests"
 
+pytestmark = pytest.mark.slow  # notebook kernels and install cells run in child processes
+
 # the tiny stand-ins for the Colab defaults: a 2-layer Llama from a config, the bundled
 # tokenizer and mini-corpus, a few steps on the pure-PyTorch backend
 TINY_FINETUNE = dict(
@@ -211,7 +213,6 @@ def test_notebook_uses_the_public_api(path):
             assert not private, f"{path.name} uses {private}: use forge_hf's public API"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, kernel_env):
     nb = nbformat.read(path, as_version=4)

@@ -57,6 +57,7 @@ def single_process():
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,mode,reducer", [(2, "sharded", "ddp"), (3, "sharded", "ddp"),
                                                 (2, "replicated", "ddp"), (3, "replicated", "ddp"),
                                                 (2, "sharded", "average")])
@@ -112,6 +113,7 @@ def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, 
                 assert (a.float() - b.float()).abs().max() <= 1e-3 * b.float().abs().max() + 1e-12, name
 
 
+@pytest.mark.slow
 def test_ddp_without_forge_data_parallelism_stops_at_the_first_backward(tmp_path):
     """Without enable_data_parallel each rank would step its fused weights from its own batch
     (DDP has no fused gradient to reduce; find_unused_parameters=True only silences DDP's own
@@ -152,6 +154,7 @@ def test_the_one_process_check_runs_once_per_layer_and_not_in_a_copy(monkeypatch
     assert torch.equal(twin.weight, before)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nccl)")
 def test_graphed_data_parallel_training_follows_one_process(tmp_path):
@@ -171,6 +174,7 @@ def test_graphed_data_parallel_training_follows_one_process(tmp_path):
         assert apart <= 0.05 * moved, f"{name}: {apart:.3e} apart after moving {moved:.3e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sharded"])
 def test_forge_trainer_under_torchrun(mode, tmp_path):
     """ForgeTrainer on 2 gloo processes (batch 1 each) against one process with batch 2."""

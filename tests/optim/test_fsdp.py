@@ -65,6 +65,7 @@ def launched(request, tmp_path_factory):
     return request.param, _launch(request.param, tmp_path_factory.mktemp(f"fsdp{request.param}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", fsdp_worker.CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}-{c[3]}")
 def test_sharded_training_follows_one_process(case, launched):
     """After STEPS steps every rank gathers the same weights, equal to one process trained
@@ -105,6 +106,7 @@ def test_sharded_training_follows_one_process(case, launched):
     assert got[0]["bytes_sent"] == fsdp_worker.STEPS * expected
 
 
+@pytest.mark.slow
 def test_keeping_the_gathered_weight_after_backward_is_refused(launched):
     _, ranks = launched
     for r in ranks:

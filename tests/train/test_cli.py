@@ -27,6 +27,7 @@ def _python(code: str, timeout=300) -> str:
 # ------------------------------------------------------------------ start-up
 
 
+@pytest.mark.slow
 def test_help_and_import_leave_torch_unloaded():
     out = _python("""
         import sys
@@ -64,6 +65,7 @@ ORDERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ORDERS)
 def test_import_forge_hf_registers_the_optimizer_names(order, tmp_path):
     out = _python(ORDERS[order].replace("OUT", repr(str(tmp_path / "out"))))

@@ -63,6 +63,7 @@ def _check_output_dir(out: Path, steps: int):
     return summary
 
 
+@pytest.mark.slow
 def test_smoke_recipe_under_accelerate_launch(tmp_path):
     out = tmp_path / "smoke"
     done = _run([_script("accelerate"), "launch", "--num_processes", "1", "--num_machines", "1",
@@ -83,6 +84,7 @@ def test_smoke_recipe_under_accelerate_launch(tmp_path):
     assert all(e["forge_nonfinite_tiles"] == 0 for e in history if "loss" in e)
 
 
+@pytest.mark.slow
 def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
     out = tmp_path / "console"
     command = [_script("forge-hf"), "train", str(SMOKE), "--max_steps", "20", "--eval_strategy", "no",
