@@ -29,7 +29,7 @@ meta_width) in logical coordinates, whatever the parameter's storage orientation
   Against the seed's uniform log2 grid (forge_hf 0.1.0's al8) the steps are up to about
   twice as coarse (a power of two, and linear within a binade): on synthetic AdamW second
   moments the update error of storing them grows 1.5-1.8x, still a small fraction of
-  absmax8's (tests/test_quantization.py).
+  absmax8's (tests/optim/test_quantization.py).
 
 absmax codes round to nearest: Appendix B's argument needs it, and on a 1000-step EMA
 stochastic codes drifted more (momentum 1.15 vs 0.78 steps RMS). al8 codes round
