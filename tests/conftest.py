@@ -1,7 +1,7 @@
 """Test set-up: without a GPU, Triton kernels run in the interpreter on CPU tensors.
 
 TRITON_INTERPRET must be set before any @triton.jit function is created, so before
-forge_hf.kernels is imported."""
+forge_hf.kernels is imported. Fixtures and hooks only: what tests import is in helpers.py."""
 
 import os
 
@@ -13,11 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# Tests on CPU tensors through backend="triton": Triton's interpreter, set up above only where
-# no GPU is
-interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
-                                      reason="runs Triton's interpreter on CPU tensors, set up only without a GPU")
+from tests.helpers import DEVICE  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,14 +1,25 @@
-"""Shared test tools: exactly summable inputs, tolerances, small comparisons, the benchmark
-tools' modules."""
+"""Shared test tools: the device, exactly summable inputs, tolerances, small comparisons, the
+worker scripts' folder, the benchmark tools' modules."""
 
 import contextlib
 import importlib
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+# the multi-process tests' rank scripts, started by path with ROOT on PYTHONPATH (they import
+# tests.helpers and this checkout's forge_hf)
+WORKERS = ROOT / "tests" / "workers"
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Tests on CPU tensors through backend="triton": Triton's interpreter, set up by conftest.py only
+# where no GPU is
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="runs Triton's interpreter on CPU tensors, set up only without a GPU")
 
 # fp32 weights and states against torch.optim fed the same gradient: relative to the
 # largest weight, so near-zero entries are judged on the tensor's scale.

@@ -50,7 +50,7 @@ FUSED_TYPES = {nn.Linear: ForgeLinear, Conv1D: ForgeConv1D}
 
 # Subclasses whose own forward is exactly their parent's map, read in transformers 5.24
 # (an AST walk over models/*/modeling_*.py for nn.Linear / Conv1D subclasses). Each is
-# trained against an unpatched twin in tests/test_patch_models.py. Subclasses that do not
+# trained against an unpatched twin in tests/optim/test_patch_models.py. Subclasses that do not
 # override forward at all (EsmFoldLinear: only its initialisation differs) need no entry.
 LINEAR_MAP_SUBCLASSES = {
     "transformers.models.falcon.modeling_falcon.FalconLinear": nn.Linear,  # input @ weight.T (+ bias)

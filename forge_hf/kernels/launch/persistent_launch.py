@@ -41,7 +41,7 @@ def weight_unsupported(weight, slots) -> str | None:
 
 def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0):
     """(positional arguments, constexpr arguments, compile options) of the launch for these
-    tensors; tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py).
+    tensors; tests compile exactly this for the GPU without one (tests/kernels/test_kernel_compiles.py).
     Arguments as fused_update.fused_launch_arguments', ``rule_update`` the rule's jitted update;
     ``ablate``: benchmarks only (persistent_update.MAINLOOP_ONLY / EPILOGUE_ONLY)."""
     n, k = weight.shape

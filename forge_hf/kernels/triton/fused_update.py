@@ -193,7 +193,7 @@ def fused_launch_arguments(
     grad_given: bool = False,
 ) -> tuple[tuple, list, dict]:
     """(grid, positional arguments, constexpr arguments) of the launch for these tensors;
-    tests compile exactly this for the GPU without one (tests/test_kernel_compiles.py)."""
+    tests compile exactly this for the GPU without one (tests/kernels/test_kernel_compiles.py)."""
     N, K = weight.shape
     T = 0 if grad_given else x.shape[0]  # grad_given: x is the (N, K) gradient, dy unused
     BN, BK, BT = blocks or default_config(N, K, T)["blocks"]

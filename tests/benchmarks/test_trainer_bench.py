@@ -1,0 +1,83 @@
+"""benchmarks/trainer_bench.py's row names: an arm's options are part of its name, so the
+report (one row per model, batch and arm) keeps configurations apart."""
+
+import json
+
+import pytest
+
+from tests.helpers import benchmark_module
+
+
+@pytest.fixture(scope="module")
+def trainer_bench():
+    with benchmark_module("trainer_bench") as module:
+        yield module
+
+
+def test_an_arm_is_named_by_its_options(trainer_bench, monkeypatch):
+    monkeypatch.delenv("FORGE_HF_KERNEL", raising=False)
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
+    label = trainer_bench.arm_label
+    assert label("forge", "", False) == "trainer_forge"
+    assert label("forge_compile_int8", "lean_loss=true, recompute_swiglu=true", False) == \
+        "trainer_forge_compile_int8+lean_loss+recompute_swiglu"
+    assert label("forge", "recompute_swiglu=true", True) == "trainer_forge+liger+recompute_swiglu"
+    # forge options do not reach the fused-AdamW arms; Liger does
+    assert label("adamw_fused", "recompute_swiglu=true", True) == "trainer_adamw_fused+liger"
+    assert label("adamw_fused_compile", "lean_loss=true", False) == "trainer_adamw_fused_compile"
+    assert label("forge", "recompute_swiglu=true,lean_loss=true", False) == "trainer_forge+lean_loss+recompute_swiglu"
+    # the ablations name forge arms only; the way of timing names every arm
+    assert label("forge", "lean_loss=true", True, "torch", False) == \
+        "trainer_forge+liger+lean_loss+torch_loss_rows+no_overlap"
+    assert label("adamw_fused", "", False, "torch", False) == "trainer_adamw_fused"
+    assert label("adamw_fused_compile", "", False, step_sync=False) == "trainer_adamw_fused_compile+no_step_sync"
+    assert label("forge", "", False, step_sync=False, non_blocking=True) == "trainer_forge+non_blocking+no_step_sync"
+    # the kernel and weight-gradient switches of the environment name forge arms only
+    monkeypatch.setenv("FORGE_HF_KERNEL", "persistent")
+    monkeypatch.setenv("FORGE_HF_WGRAD", "two_pass")
+    assert label("forge", "lean_loss=true", True, step_sync=False) == \
+        "trainer_forge+liger+lean_loss+kernel_persistent+wgrad_two_pass+no_step_sync"
+    assert label("adamw_fused", "", False) == "trainer_adamw_fused"
+
+
+def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_bench):
+    from capture_memory import peaks_by_step
+
+    frames = [{"filename": "/venv/site-packages/forge_hf/nn/linear.py", "line": 1, "name": "forward"}]
+    trace = [
+        dict(action="alloc", addr=1, size=100, frames=frames),  # step 0: kept into step 1
+        dict(action="alloc", addr=2, size=50, frames=frames),
+        dict(action="free_requested", addr=2),
+        dict(action="alloc", addr=3, size=30, frames=frames),  # step 1
+        dict(action="free_requested", addr=3),
+        dict(action="free_requested", addr=1),
+    ]
+    (peak0, sites0), (peak1, sites1), (peak2, sites2) = peaks_by_step(trace, [3, 6, 6])
+    assert peak0 == 150 and sites0 == {"step 0: forge_hf/nn/linear.py:1 forward": 150}
+    assert peak1 == 130 and sites1 == {"step 0: forge_hf/nn/linear.py:1 forward": 100,
+                                       "step 1: forge_hf/nn/linear.py:1 forward": 30}
+    assert peak2 == 0 and sites2 == {}  # a step that allocates nothing peaks at what it started with
+
+
+def test_rounds_interleave_the_arms_a_row_each(trainer_bench, monkeypatch, tmp_path):
+    """--rounds 2: A, B, then B, A, each row noting its round, in the table as each arm ends."""
+    ran = []
+
+    def run_arm(arm, *args):
+        ran.append(arm)
+        return dict(step_ms=1.0, spread_ms=0.0, peak_gib=0.0, note="20 steps after 6")
+
+    monkeypatch.setattr(trainer_bench, "run_arm", run_arm)
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr("sys.argv", ["trainer_bench", "--arms", "adamw_fused,forge_eager", "--rounds", "2",
+                                     "--table", str(tmp_path / "results.csv"), "--out", str(out)])
+    trainer_bench.main()
+    rows = json.loads(out.read_text())
+    assert ran == ["adamw_fused", "forge_eager", "forge_eager", "adamw_fused"]
+    assert [r["arm"] for r in rows] == ["trainer_adamw_fused", "trainer_forge_eager", "trainer_forge_eager",
+                                        "trainer_adamw_fused"]
+    assert [r["note"] for r in rows] == [f"20 steps after 6; round {r} of 2" for r in (1, 1, 2, 2)]
+    assert (tmp_path / "results.csv").read_text().count("trainer_forge_eager") == 2
+    monkeypatch.setattr("sys.argv", ["trainer_bench", "--rounds", "0"])
+    with pytest.raises(SystemExit):
+        trainer_bench.main()

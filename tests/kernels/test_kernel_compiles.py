@@ -1,0 +1,250 @@
+"""Compile the fused kernels for Hopper (sm_90) without a GPU.
+
+The interpreter runs Triton kernels as Python (and cannot run the Gluon one), so errors
+that only the compiler sees (types of branches, constexpr folding, global lookups) would
+wait for a GPU run. Triton's wheel carries ptxas, so the whole pipeline down to the cubin
+runs here; each variant is what launch_fused_update would launch for those tensors. The compiles run in one
+child process without TRITON_INTERPRET (conftest sets it for this one)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # the compilers run in child processes
+
+WEIGHT_STATE = ["fp32-fp32", "bf16-bf16", "fp32-bf16", "bf16-int8", "bf16-al8",
+                "bf16-bf16-grad", "bf16-int8-grad"]  # -grad: ForgeOptimizer's non-fused step
+RULE_NAMES = ["adagrad", "adamw", "lion", "nadam", "radam", "rmsprop", "sgd"]
+
+
+def _signature(names: list, positional: list) -> dict:
+    """Triton's signature of a launch's non-constexpr arguments: pointers, TMA
+    descriptors, int32."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int16: "i16", torch.int32: "i32",
+             torch.int8: "i8", torch.uint8: "u8"}
+    return {n: "*" + types[v.dtype] if torch.is_tensor(v) else mangle_type(v) if hasattr(v, "block_shape")
+            else "i32" for n, v in zip(names, positional)}
+
+
+def compile_all() -> dict:
+    """Run in the child: {"rule/weight-state": "ok" or the error}."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from forge_hf.core.launch_args import pack_args
+    from forge_hf.core.rules import get_rule, make_group
+    from forge_hf.core.state import ForgeState
+    from forge_hf.kernels.triton.fused_update import (
+        compile_options,
+        default_config,
+        fused_launch_arguments,
+        fused_update_kernel,
+    )
+
+    extra = {"rmsprop": dict(momentum=0.9, centered=True), "sgd": dict(momentum=0.9)}
+    names = fused_update_kernel.arg_names
+    results = {}
+    for rule_name in RULE_NAMES:
+        for variant in WEIGHT_STATE:
+            wname, precision, *grad = variant.split("-")
+            try:
+                rule = get_rule(rule_name)
+                group = make_group(rule, extra.get(rule_name, {}))
+                weight = torch.zeros(200, 300, dtype=torch.float32 if wname == "fp32" else torch.bfloat16)
+                state = ForgeState(rule, precision, transposed=False)
+                state.allocate(weight, group)
+                x, dy = torch.zeros(77, 300, dtype=torch.bfloat16), torch.zeros(77, 200, dtype=torch.bfloat16)
+                args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
+                if grad:  # the gradient is read: x is the (N, K) gradient itself
+                    x = dy = torch.zeros(200, 300, dtype=torch.bfloat16)
+                config = default_config(200, 300, 0 if grad else 77)  # what a GPU launch uses
+                _, positional, constexprs = fused_launch_arguments(
+                    x, dy, weight, state.kernel_slots(), args, torch.zeros(2), rule_name, True, dot_fp32=False,
+                    grad_given=bool(grad))
+                sig = _signature(names, positional)
+                sig.update({k: "constexpr" for k in constexprs})
+                source = triton.compiler.ASTSource(
+                    fn=fused_update_kernel, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=compile_options(config))
+                results[f"{rule_name}/{variant}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
+            except Exception as e:  # reported per variant by the tests below
+                results[f"{rule_name}/{variant}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+    return results
+
+
+PERSISTENT_VARIANTS = [("bf16", True), ("bf16", False), ("int8", True), ("al8", True), ("al8", False)]
+PERSISTENT_RULES = {"adagrad": {}, "adamw": {}, "lion": {}, "nadam": {}, "radam": {},
+                    "rmsprop": dict(momentum=0.9, centered=True), "sgd": {}, "sgd-momentum": dict(momentum=0.9)}
+
+
+SHARED_LIMIT = 232448  # a Hopper multiprocessor gives a program at most 227 KB of shared memory
+
+
+def _divisibility(positional: list) -> dict:
+    """What Triton's launch specialises on: a pointer 16-byte aligned, an int a multiple of 16
+    (the Gluon kernels' weights and states always are; their rows and columns are multiples
+    of 64), so the compiled code, its vector loads and its registers, are the GPU's."""
+    import torch
+
+    aligned = [i for i, v in enumerate(positional)
+               if (torch.is_tensor(v) and v.data_ptr() % 16 == 0) or (type(v) is int and v % 16 == 0)]
+    return {(i,): [["tt.divisibility", 16]] for i in aligned}
+
+
+def _compile_gluon(kernel, positional: list, constexprs: dict, options: dict):
+    """Gluon ``kernel`` compiled for sm_90 as a launch with these arguments compiles it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = kernel.arg_names
+    sig = _signature(names, positional)
+    sig.update({k: "constexpr" for k in constexprs})
+    source = GluonASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                            attrs=_divisibility(positional))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _problems(compiled, spills: bool = False) -> str:
+    """"ok", or what is wrong with a compiled Gluon kernel: no cubin, more shared memory than
+    a multiprocessor has, and with ``spills`` registers spilled to the stack."""
+    if not compiled.asm.get("cubin"):
+        return "no cubin"
+    problems = [f"shared memory {compiled.metadata.shared}"] * (compiled.metadata.shared > SHARED_LIMIT)
+    stack = _stack_bytes(compiled.asm["cubin"]) if spills else 0
+    problems += [f"{stack} bytes of registers spilled to the stack"] * bool(stack)
+    return "; ".join(problems) or "ok"
+
+
+def compile_persistent() -> dict:
+    """Run in the child: the persistent Gluon kernel as launch_persistent would launch it,
+    bf16, int8 and al8 state, each rule (its own slots), stochastic and nearest rounding."""
+    import torch
+
+    from forge_hf.core.launch_args import pack_args
+    from forge_hf.core.rules import get_rule, make_group
+    from forge_hf.core.state import ForgeState
+    from forge_hf.kernels.gluon.persistent_update import persistent_update_kernel
+    from forge_hf.kernels.launch.persistent_launch import layout_unsupported, persistent_launch_arguments
+    from forge_hf.kernels.triton.fused_update import RULE_UPDATES
+
+    results = {}
+    for key, hp in PERSISTENT_RULES.items():
+        for precision, stochastic in PERSISTENT_VARIANTS:
+            try:
+                rule = get_rule(key.split("-")[0])
+                group = make_group(rule, hp)
+                weight = torch.zeros(128, 192, dtype=torch.bfloat16)
+                state = ForgeState(rule, precision, transposed=False)
+                state.allocate(weight, group)
+                slots = state.kernel_slots()
+                x, dy = torch.zeros(100, 192, dtype=torch.bfloat16), torch.zeros(100, 128, dtype=torch.bfloat16)
+                assert layout_unsupported(x, dy, weight, slots) is None
+                args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
+                compiled = _compile_gluon(persistent_update_kernel, *persistent_launch_arguments(
+                    x, dy, weight, slots, args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic))
+                results[f"{key}/{precision}/{stochastic}"] = _problems(compiled)
+            except Exception as e:
+                results[f"{key}/{precision}/{stochastic}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+    return results
+
+
+WIDE_VARIANTS = [(key, precision, True) for key in PERSISTENT_RULES for precision in ("bf16", "int8", "al8")] + \
+    [("adamw", "bf16", False), ("adamw", "al8", False)]
+
+
+def _stack_bytes(cubin: bytes) -> int:
+    """The stack frame ptxas gave the kernel: registers spilled where it is not 0."""
+    import pathlib
+    import re
+    import tempfile
+
+    import triton
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def compile_wide() -> dict:
+    """Run in the child: the wide Gluon kernel as launch_wide would launch it, bf16, int8 and
+    al8 state, each rule, stochastic rounding (and AdamW's nearest); no registers spilled."""
+    import torch
+
+    from forge_hf.core.launch_args import pack_args
+    from forge_hf.core.rules import get_rule, make_group
+    from forge_hf.core.state import ForgeState
+    from forge_hf.kernels.gluon.wide_update import wide_update_kernel
+    from forge_hf.kernels.launch.wide_launch import wide_launch_arguments
+    from forge_hf.kernels.triton.fused_update import RULE_UPDATES
+
+    results = {}
+    for key, precision, stochastic in WIDE_VARIANTS:
+        name = f"{key}/{precision}/{stochastic}"
+        try:
+            rule = get_rule(key.split("-")[0])
+            group = make_group(rule, PERSISTENT_RULES[key])
+            weight = torch.zeros(256, 384, dtype=torch.bfloat16)
+            state = ForgeState(rule, precision, transposed=False)
+            state.allocate(weight, group)
+            x, dy = torch.zeros(100, 384, dtype=torch.bfloat16), torch.zeros(100, 256, dtype=torch.bfloat16)
+            args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
+            compiled = _compile_gluon(wide_update_kernel, *wide_launch_arguments(
+                x, dy, weight, state.kernel_slots(), args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic))
+            results[name] = _problems(compiled, spills=True)
+        except Exception as e:
+            results[name] = f"{type(e).__name__}: {str(e)[-1500:]}"
+    return results
+
+
+def _in_child(function: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import json, test_kernel_compiles as t; print('RESULTS' + json.dumps(t.{function}()))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                         capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS")]
+    assert lines, run.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS"):])
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return _in_child("compile_all")
+
+
+@pytest.fixture(scope="module")
+def compiled_persistent():
+    return _in_child("compile_persistent")
+
+
+@pytest.mark.parametrize("variant", WEIGHT_STATE)
+@pytest.mark.parametrize("rule_name", RULE_NAMES)
+def test_kernel_compiles_for_sm90(compiled, rule_name, variant):
+    assert compiled[f"{rule_name}/{variant}"] == "ok", compiled[f"{rule_name}/{variant}"]
+
+
+@pytest.mark.parametrize("variant", [f"{precision}/{stochastic}" for precision, stochastic in PERSISTENT_VARIANTS])
+@pytest.mark.parametrize("rule_key", sorted(PERSISTENT_RULES))
+def test_persistent_kernel_compiles_for_sm90(compiled_persistent, rule_key, variant):
+    assert compiled_persistent[f"{rule_key}/{variant}"] == "ok", compiled_persistent[f"{rule_key}/{variant}"]
+
+
+@pytest.fixture(scope="module")
+def compiled_wide():
+    return _in_child("compile_wide")
+
+
+@pytest.mark.parametrize("variant", ["/".join(map(str, variant)) for variant in WIDE_VARIANTS])
+def test_wide_kernel_compiles_for_sm90(compiled_wide, variant):
+    assert compiled_wide[variant] == "ok", compiled_wide[variant]

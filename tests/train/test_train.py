@@ -1,0 +1,119 @@
+"""The smoke recipe end to end, as a user runs it: `accelerate launch -m forge_hf.train`
+and the `forge-hf train` console script (also resuming), each in a subprocess; what a
+run prints and leaves in output_dir."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from forge_hf.train import cli
+from forge_hf.train import run as train
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = ROOT / "recipes" / "smoke.yaml"
+
+
+def _script(name: str) -> str:
+    """A console script of this interpreter's environment."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"the {name} console script is not installed (pip install -e .)")
+    return found
+
+
+def _run(command, tmp_path, timeout=300):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"),
+               OMP_NUM_THREADS="1")  # one thread per process: 2-core CI machines run tests side by side
+    env.pop("TRITON_INTERPRET", None)  # the smoke recipe uses the reference backend
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done
+
+
+def _check_output_dir(out: Path, steps: int):
+    summary = json.loads((out / "forge_summary.json").read_text())
+    assert summary["steps"] == steps
+    assert summary["tokens"] == steps * 4 * 128  # batch 4 x block 128, every block full
+    assert summary["tokens_per_second"] == pytest.approx(summary["steps_per_second"] * 4 * 128)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    # every linear is fused; fp32 weights: 4 bytes of gradient each, AdamW's two fp32 moments
+    # as large as forge's fp32 states, so the saving is the gradients alone
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    assert summary["forge_gradient_bytes_never_allocated"] == 4 * weights
+    assert summary["adamw_state_bytes"] == summary["forge_state_bytes"] == 2 * 4 * weights
+    assert summary["forge_bytes_saved_vs_adamw"] == 4 * weights
+    report = (out / "forge_report.txt").read_text()
+    assert report.startswith("forge patch: 15 modules fused") and "model.layers.1.mlp.down_proj" in report
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tokenizer("What is $12 + 30$?\n\nWe add the two numbers: $12 + 30 = 42$.")["input_ids"]])
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert loss < summary["first_loss"]  # the saved weights are the trained ones
+    return summary
+
+
+@pytest.mark.slow
+def test_smoke_recipe_under_accelerate_launch(tmp_path):
+    out = tmp_path / "smoke"
+    done = _run([_script("accelerate"), "launch", "--num_processes", "1", "--num_machines", "1",
+                 "--mixed_precision", "no", "--dynamo_backend", "no",
+                 "-m", "forge_hf.train", str(SMOKE), "--output_dir", str(out)], tmp_path)
+    assert "forge_hf.train summary" in done.stdout
+    summary = _check_output_dir(out, steps=60)
+    assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
+    assert summary["last_eval_loss"] < summary["first_loss"]
+    headline = (out / "forge_report.txt").read_text().partition("\n")[0]
+    assert headline in done.stdout.splitlines()  # printed at the start
+    assert done.stdout.index(headline) < done.stdout.index("forge_hf.train summary")
+    for words in ("steps/s", "tokens/s", "less than AdamW on the fused weights", "loss.png"):
+        assert words in done.stdout, words
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # train and eval curves
+    assert (out / "checkpoint-60" / "optimizer.pt").is_file()  # a checkpoint with the fused states
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert all(e["forge_nonfinite_tiles"] == 0 for e in history if "loss" in e)
+
+
+@pytest.mark.slow
+def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
+    out = tmp_path / "console"
+    command = [_script("forge-hf"), "train", str(SMOKE), "--max_steps", "20", "--eval_strategy", "no",
+               "--save_steps", "10"]
+    _run([*command, "--output_dir", str(out)], tmp_path)
+    summary = _check_output_dir(out, steps=20)
+    assert summary["last_loss"] < summary["first_loss"], summary
+
+    # resume a copy that holds only checkpoint-10: `true` must find it and train steps 11-20
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoint-10", resumed / "checkpoint-10")
+    done = _run([*command, "--output_dir", str(resumed), "--resume_from_checkpoint", "true"], tmp_path)
+    assert "10 after resuming from" in done.stdout
+    summary = json.loads((resumed / "forge_summary.json").read_text())
+    assert (summary["resumed_from"], summary["steps_this_run"]) == (str(resumed / "checkpoint-10"), 10)
+    straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(straight[k], again[k]) for k in straight)  # the same run, bit for bit
+
+
+def test_a_bad_recipe_stops_before_training(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SMOKE.read_text().replace("learning_rate:", "learnig_rate:"))
+    assert train.main([str(bad)]) == 2
+    error = capsys.readouterr().err
+    assert str(bad) in error and "'learnig_rate'" in error and "did you mean 'learning_rate'" in error
+
+
+def test_console_script_usage(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "forge-hf train RECIPE.yaml" in capsys.readouterr().out
+    assert cli.main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err

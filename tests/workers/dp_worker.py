@@ -1,0 +1,125 @@
+"""One rank of the data-parallel tests (started by tests/optim/test_distributed.py; gloo on CPU).
+
+reducer "ddp": DDP averages the non-fused gradients, as users train eagerly. reducer
+"average": what a graphed step (GraphedStep) runs, without the capture: rank 0's weights
+broadcast, the non-fused gradients averaged by forge, and after the first step the token
+counts frozen (no count exchange). reducer "graphed": GraphedStep itself, nccl on two GPUs.
+reducer "plain_ddp": DDP without enable_data_parallel, without and with find_unused_parameters,
+which must stop."""
+
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import forge_hf
+from forge_hf import GraphedStep
+from forge_hf.optim.distributed import average_gradients, broadcast_parameters, enable_data_parallel
+from tests.helpers import tiny_llama as small_llama
+
+VOCAB, SEQ = 128, 8
+
+
+def tiny_llama():
+    return small_llama(VOCAB, hidden=96, intermediate=192)
+
+
+def global_batch(step, size):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+
+
+def train(world, rank, local_batch, steps, mode, state_precision="fp32", reducer="ddp", device="cpu"):
+    """Train; rank < 0 means one process with the whole global batch. Returns the model
+    and its optimizer. On a GPU the fused kernels run compiled (backend "auto")."""
+    model = tiny_llama().to(device)
+    forge_hf.patch_model(model, optimizer="adamw", state_precision=state_precision,
+                         backend="reference" if device == "cpu" else "auto",
+                         min_params=0, lr=1e-3, weight_decay=0.01)
+    runner, counts = model, None
+    if rank >= 0:
+        enable_data_parallel(model, mode=mode)
+        if reducer != "ddp" and rank > 0:  # without DDP, rank 0's weights must reach the others
+            torch.nn.init.normal_(model.model.embed_tokens.weight)
+        if reducer == "graphed":  # GraphedStep broadcasts, averages and freezes the counts itself
+            return train_graphed(model, world, rank, local_batch, steps)
+        if reducer == "ddp":
+            runner = DistributedDataParallel(model)
+        else:
+            broadcast_parameters(model)
+            counts = next(iter(forge_hf.optim.optimizer.fused_layers(model).values())).forge_dp.gather.counts
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01)
+    for step in range(steps):
+        ids = global_batch(step, world * local_batch).to(device)
+        if rank >= 0:
+            ids = ids[rank * local_batch:(rank + 1) * local_batch]
+        with counts.frozen() if counts is not None and step > 0 else contextlib.nullcontext():
+            runner(input_ids=ids, labels=ids).loss.backward()
+            if counts is not None:
+                average_gradients(model)
+            opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def train_graphed(model, world, rank, local_batch, steps):
+    """GraphedStep's data-parallel training: two eager warm-up steps, a capture, replays."""
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01)
+    step = GraphedStep(model, opt, warmup_steps=2)
+    for i in range(steps):
+        ids = global_batch(i, world * local_batch)[rank * local_batch:(rank + 1) * local_batch].cuda()
+        step({"input_ids": ids, "labels": ids})
+    assert step.graph is not None, "the steps after the warm-up were not replayed"
+    return model, opt
+
+
+def stop_without_data_parallel(world, rank, local_batch, steps, find_unused):
+    """DDP over a patched model without enable_data_parallel: the step and message it stops
+    with, and whether every weight was still as it started."""
+    model = tiny_llama()
+    forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0, lr=1e-3)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    runner = DistributedDataParallel(model, find_unused_parameters=find_unused)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-3)
+    for step in range(steps):
+        ids = global_batch(step, world * local_batch)[rank * local_batch:(rank + 1) * local_batch]
+        try:
+            runner(input_ids=ids, labels=ids).loss.backward()
+        except RuntimeError as error:
+            unchanged = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+            return dict(stopped_at=step, error=str(error), unchanged=unchanged)
+        opt.step()
+        opt.zero_grad()
+    return dict(stopped_at=None, error=None, unchanged=False)
+
+
+def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
+    if reducer == "graphed":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if reducer == "plain_ddp":  # both settings in one launch: a launch costs more than the runs
+        result = {find_unused: stop_without_data_parallel(world, rank, local_batch, steps, find_unused)
+                  for find_unused in (False, True)}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+        return
+    model, opt = train(world, rank, local_batch, steps, mode, reducer=reducer,
+                       device="cuda" if reducer == "graphed" else "cpu")
+    fused = forge_hf.optim.optimizer.fused_layers(model)
+    state_bytes = sum(m.forge_state.nbytes() for m in fused.values())
+    sent = sum(m.forge_dp.bytes_sent for m in fused.values())
+    full_state = opt.state_dict()  # gathers shards: loadable by one process
+    torch.save(dict(weights={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                    state_bytes=state_bytes, bytes_sent=sent, optimizer=full_state if rank == 0 else None),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    main(rank, world, sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7]), sys.argv[8])

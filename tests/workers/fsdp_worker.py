@@ -1,0 +1,136 @@
+"""One rank of the FSDP2 tests (started by tests/optim/test_fsdp.py; gloo on CPU): every case of
+CASES in one launch, each trained STEPS steps under fully_shard, checkpointed, stepped once
+more, and resumed from the checkpoint in a fresh sharded model for that last step.
+
+A case is (model, weight dtype, state precision):
+* "mlp": three biased linears of odd sizes with GELUs and a mean squared error, fp32
+  weights: fused weights, and biases through FSDP2's reduce-scatter;
+* "exact": one bias-free linear fed directly with exactly summable tokens and output
+  gradients (tests/helpers.exact_inputs), whose weight gradient does not depend on
+  summation order: a band must then give the single process's bits.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import forge_hf
+from forge_hf.optim.optimizer import fused_layers
+from tests.helpers import exact_inputs
+
+STEPS, LOCAL_BATCH, SEQ = 3, 2, 3
+MLP_SIZES = (13, 23, 17, 5)
+EXACT_IN, EXACT_OUT = 40, 70  # rows over two or three ranks, across a 64-row tile
+# (kind, weight dtype, state precision, rule): every state precision with AdamW, every rule
+# with bf16 weights and states (stochastic rounding) on the exactly summable layer
+RULES = ("adagrad", "lion", "nadam", "radam", "rmsprop", "sgd")
+CASES = [("mlp", torch.float32, p, "adamw") for p in ("fp32", "bf16", "int8", "al8")] + \
+        [("exact", torch.bfloat16, p, "adamw") for p in ("fp32", "bf16", "int8", "al8")] + \
+        [("exact", torch.float32, "fp32", "adamw")] + [("exact", torch.bfloat16, "bf16", r) for r in RULES]
+RULE_OPTIONS = {"sgd": dict(momentum=0.9), "rmsprop": dict(momentum=0.9, centered=True)}  # all their states
+
+
+def build(kind, dtype, precision, rule="adamw"):
+    """The case's model, patched (fused layers, plain torch elsewhere), as one process starts it."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        a, b, c, d = MLP_SIZES
+        model = nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Linear(b, c), nn.GELU(), nn.Linear(c, d))
+    else:
+        model = nn.Sequential(nn.Linear(EXACT_IN, EXACT_OUT, bias=False))
+    model.to(dtype)
+    forge_hf.patch_model(model, optimizer=rule, state_precision=precision, backend="reference",
+                         min_params=0, lr=1e-2, weight_decay=0.01, **RULE_OPTIONS.get(rule, {}))
+    return model
+
+
+def batch(kind, step, size, dtype):
+    """Step ``step``'s global batch of ``size`` rows: (inputs, targets) for "mlp", (tokens,
+    output gradient) for "exact"."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        return torch.randn(size, SEQ, MLP_SIZES[0], generator=gen), torch.randn(size, SEQ, MLP_SIZES[-1], generator=gen)
+    return exact_inputs((size, SEQ, EXACT_IN), EXACT_OUT, dtype=dtype, generator=gen)
+
+
+def train_step(model, opt, kind, step, dtype, world, rank):
+    """One step on this rank's rows of the global batch (rank < 0: one process, all of it).
+    Each rank's loss is a mean over its own rows, as under FSDP2; "exact" feeds world x its
+    output gradient, which the token gather divides by the world size again, exactly."""
+    x, t = batch(kind, step, max(world, 1) * LOCAL_BATCH, dtype)
+    if rank >= 0:
+        x, t = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    if kind == "mlp":
+        ((model(x) - t) ** 2).mean().backward()
+    else:
+        model(x).backward(t * world if rank >= 0 else t)
+    opt.step()
+    opt.zero_grad()
+
+
+def shard(model, kind):
+    # a CPU mesh: fully_shard's default mesh is on the GPU where one is present
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model:
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def whole(model) -> dict:
+    return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_case(kind, dtype, precision, rule, world, rank):
+    model = shard(build(kind, dtype, precision, rule), kind)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
+    no_fused_grad = True
+    for step in range(STEPS):
+        train_step(model, opt, kind, step, dtype, world, rank)
+        no_fused_grad &= all(m.weight.grad is None for m in fused_layers(model).values())
+    checkpoint = whole(model), opt.state_dict()
+    state_bytes = sum(m.forge_state.nbytes() for m in fused_layers(model).values())
+    sent = sum(m.forge_dp.bytes_sent for m in fused_layers(model).values())
+    train_step(model, opt, kind, STEPS, dtype, world, rank)
+    final = whole(model)
+
+    # resume: whole weights into a fresh model, sharded, then the whole optimizer state
+    resumed = build(kind, dtype, precision, rule)
+    resumed.load_state_dict(checkpoint[0])
+    resumed = shard(resumed, kind)
+    resumed_opt = forge_hf.ForgeOptimizer(resumed, lr=1e-2, weight_decay=0.01)
+    resumed_opt.load_state_dict(checkpoint[1])
+    train_step(resumed, resumed_opt, kind, STEPS, dtype, world, rank)
+    return dict(weights=checkpoint[0], optimizer=checkpoint[1], final=final, resumed=whole(resumed),
+                no_fused_grad=no_fused_grad, state_bytes=state_bytes, bytes_sent=sent)
+
+
+def keep_gathered_weight_refused(world, rank):
+    """set_reshard_after_backward(False) would hide the step from the next forward: the
+    fused step must stop with the message."""
+    model = shard(build("exact", torch.float32, "fp32"), "exact")
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-2)
+    model.set_reshard_after_backward(False, recurse=True)
+    try:
+        train_step(model, opt, "exact", 0, torch.float32, world, rank)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def main(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {case: run_case(*case, world, rank) for case in CASES}
+    results["refused"] = keep_gathered_weight_refused(world, rank)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
