@@ -122,6 +122,12 @@ class GraphedStep:
     backward and ``optimizer.step()``. Changing a learning rate (a scheduler) needs no new
     capture; loading a checkpoint into the optimizer or moving the model does (a replay
     checks and refuses): build a new GraphedStep.
+
+    Args:
+        model: the patched model (not a DDP wrapper), on a CUDA device, in train mode.
+        optimizer: its ForgeOptimizer.
+        loss_fn: ``loss_fn(model, batch)`` returns the step's loss (default: causal_lm_loss).
+        warmup_steps: eager steps before the capture, at least 1 (default 2).
     """
 
     def __init__(self, model: nn.Module, optimizer: ForgeOptimizer,
