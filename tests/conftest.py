@@ -52,3 +52,30 @@ def fresh_wgrad_choices(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_DECISIONS", {})
     monkeypatch.setattr(two_pass, "_SCRATCH", {})
+
+
+# torch's fp32 precision settings: the one over all backends, each backend's, each op's ("none":
+# the one above it applies)
+FP32_PRECISION_OWNERS = [owner for owner in (
+    torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cudnn.conv,
+    torch.backends.cudnn.rnn, torch.backends.mkldnn, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv,
+    torch.backends.mkldnn.rnn) if hasattr(owner, "fp32_precision")]
+FP32_PRECISION_AT_START = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+                           [owner.fp32_precision for owner in FP32_PRECISION_OWNERS])
+
+
+@pytest.fixture(autouse=True)
+def fp32_precision_as_at_start():
+    """Each test leaves torch's fp32 matmul precision as the process started with it.
+    TrainingArguments(torch_compile=True) switches every fp32 matmul to TF32 for the rest of
+    the process on an Ampere or newer GPU (transformers' enable_tf32), and one xdist worker
+    runs many files: a later test comparing the fused kernels' IEEE fp32 gradients with
+    torch's (test_rules_exactness) would then meet TF32's 1e-3 relative errors."""
+    yield
+    legacy_matmul, legacy_cudnn, precisions = FP32_PRECISION_AT_START
+    if [owner.fp32_precision for owner in FP32_PRECISION_OWNERS] != precisions:
+        # the legacy settings too, set first: torch refuses to read the two APIs when they disagree
+        torch.set_float32_matmul_precision(legacy_matmul)
+        torch.backends.cudnn.allow_tf32 = legacy_cudnn
+        for owner, precision in zip(FP32_PRECISION_OWNERS, precisions):
+            owner.fp32_precision = precision
