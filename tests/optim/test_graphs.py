@@ -81,7 +81,8 @@ def test_graphed_step_refuses_a_ddp_wrapper(tmp_path):
 
 def test_the_captured_addresses_change_when_a_checkpoint_is_loaded(single_thread):
     """A replay writes where the capture saw the states: loading a checkpoint allocates new
-    ones (and new param-group dicts), which the replay's check must notice."""
+    ones, which the replay's check must notice; the param-group dicts stay the same ones (the
+    fused layers keep reading them), filled with the loaded values."""
     model, opt = patched("cpu", state_precision="int8")
     ids = torch.randint(0, VOCAB, (2, SEQ))
 
@@ -98,7 +99,7 @@ def test_the_captured_addresses_change_when_a_checkpoint_is_loaded(single_thread
     opt.load_state_dict(opt.state_dict())
     assert addresses.moved()
     after = addresses.read()
-    assert after[0] != before[0] and after[1] != before[1]
+    assert after[0] != before[0] and after[1] == before[1]
 
 
 def test_the_captured_addresses_change_when_a_parameter_or_its_data_is_replaced(single_thread):
