@@ -5,7 +5,7 @@ itself, so lm_head stays on the ordinary path, said up front (TRL_LM_HEAD); a la
 falls back at run time instead shows in the report and the logs. With a LoRA
 ``peft_config`` the default min_params leaves the adapters alone and says what to do.
 
-Against SFTTrainer(adamw_torch) on variable-length rows: the same weights in fp32 (bf16=False);
+Against SFTTrainer(adamw_torch) on variable-length rows: the same weights within 1e-6 in fp32 (bf16=False);
 under SFTConfig's default bf16=True autocast, the plain trainer steps its weights with their
 gradients rounded to bf16 (a linear's weight gradient under autocast is a bf16 matmul's output)
 where forge steps the fp32 sum of the same bf16 products: the two differ by that rounding, and
@@ -218,9 +218,9 @@ def test_under_bf16_autocast_sft_trainer_steps_a_gradient_rounded_to_bf16(tmp_pa
     """SFTConfig's bf16 defaults to True: fp32 weights then train under bf16 autocast. The plain
     trainer's weight gradients are rounded to bf16 and forge's are not, so the two runs part from
     the first step; forge matches the plain trainer whose linears keep the fp32 gradient. Three
-    steps: after a few more, under bf16 a last-bit weight difference flips a bf16 rounding in
-    the forward and grows to 1e-4 (two plain runs that differ only in the rounding order of
-    AdamW's last line do the same)."""
+    steps: a few more, and a last-bit weight difference flips a bf16 rounding in the forward and
+    grows to 1e-4 (two plain runs that differ only in how AdamW's last line is rounded do the
+    same by the seventh)."""
     assert sft_config(tmp_path).bf16 is True
     fused_gradients = {}
     fused_step = ForgeLinear.forge_fused_step
