@@ -3,7 +3,13 @@ and the bundled smoke tokenizer and data (CPU, no hub): the loss falls, grad_nor
 logged, and the report says what was fused. TRL's fused LM head reads lm_head.weight
 itself, so lm_head stays on the ordinary path, said up front (TRL_LM_HEAD); a layer that
 falls back at run time instead shows in the report and the logs. With a LoRA
-``peft_config`` the default min_params leaves the adapters alone and says what to do."""
+``peft_config`` the default min_params leaves the adapters alone and says what to do.
+
+Against SFTTrainer(adamw_torch) on variable-length rows: the same weights within 1e-6 in fp32 (bf16=False);
+under SFTConfig's default bf16=True autocast, the plain trainer steps its weights with their
+gradients rounded to bf16 (a linear's weight gradient under autocast is a bf16 matmul's output)
+where forge steps the fp32 sum of the same bf16 products: the two differ by that rounding, and
+forge matches a plain trainer whose linears keep their fp32 weight gradients."""
 
 import json
 import logging
@@ -15,12 +21,14 @@ import torch
 import trl
 from datasets import Dataset
 from torch import nn
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from torch.nn import functional as F
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 import forge_hf
 from forge_hf.nn.linear import ForgeFallbackWarning, ForgeLinear
 from forge_hf.optim import patch
 from forge_hf.optim.patch import FELL_BACK, TRL_LM_HEAD
+from tests.helpers import assert_close_rel
 
 SMOKE = Path(forge_hf.__file__).parent / "assets" / "smoke"
 STEPS = 12
@@ -36,19 +44,26 @@ def rows(n=24) -> Dataset:
     return Dataset.from_list([{"text": f"{r['problem']}\n{r['generated_solution']}"} for r in lines])
 
 
-def sft(tmp_path, optim_args="backend=reference,min_params=0", **kwargs) -> ForgeSFT:
-    tokenizer = AutoTokenizer.from_pretrained(SMOKE / "tokenizer")
+def tiny_llama(tokenizer) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path), optim="forge_adamw", optim_args=optim_args,
-        max_grad_norm=0.0, use_cpu=True, bf16=False, max_steps=STEPS, per_device_train_batch_size=4,
-        learning_rate=3e-3, lr_scheduler_type="constant", max_length=48, logging_steps=1, save_strategy="no",
-        report_to="none", seed=0, disable_tqdm=True)
-    return ForgeSFT(model=model, args=args, train_dataset=rows(), processing_class=tokenizer, **kwargs)
+
+
+def sft_config(tmp_path, optim="forge_adamw", optim_args="backend=reference,min_params=0", **overrides):
+    options = dict(output_dir=str(tmp_path), optim=optim, optim_args=optim_args if optim.startswith("forge_") else None,
+                   max_grad_norm=0.0, use_cpu=True, max_steps=STEPS, per_device_train_batch_size=4,
+                   learning_rate=3e-3, lr_scheduler_type="constant", max_length=48, logging_steps=1,
+                   save_strategy="no", report_to="none", seed=0, disable_tqdm=True)
+    return trl.SFTConfig(**{**options, **overrides})
+
+
+def sft(tmp_path, optim_args="backend=reference,min_params=0", **kwargs) -> ForgeSFT:
+    tokenizer = AutoTokenizer.from_pretrained(SMOKE / "tokenizer")
+    args = sft_config(tmp_path, optim_args=optim_args, bf16=False)
+    return ForgeSFT(model=tiny_llama(tokenizer), args=args, train_dataset=rows(), processing_class=tokenizer, **kwargs)
 
 
 def step_logs(trainer) -> list[dict]:
@@ -119,3 +134,118 @@ def test_lora_adapters_are_left_to_the_ordinary_optimizer_by_default_with_the_fi
     fused = trainer.forge_report.fused_names
     assert len(fused) == 8 and all(".lora_A." in n or ".lora_B." in n for n in fused), fused
     assert all(trainer.model.get_submodule(n).forge_state.step == 3 for n in fused)
+
+
+# ---------------------------------------------------- parity with SFTTrainer(adamw_torch)
+
+PARITY_STEPS = 8
+
+
+class StepWeights(TrainerCallback):
+    """The weights after each optimizer step, and the ordinary gradients of the first."""
+
+    def __init__(self):
+        self.steps, self.first_grads = [], {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0:
+            self.first_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def parity_run(tmp_path, optim, steps=PARITY_STEPS, plain_linears=nn.Linear, **overrides) -> StepWeights:
+    """ForgeSFT (optim="forge_adamw") or SFTTrainer (optim="adamw_torch") on rows of 32 to 78
+    tokens, padded per batch, with TRL's defaults (gradient checkpointing, the fused LM head and
+    its metrics); the plain trainer's linears but lm_head made ``plain_linears``."""
+    tokenizer = AutoTokenizer.from_pretrained(SMOKE / "tokenizer")
+    model = tiny_llama(tokenizer)
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name != "lm_head" and not optim.startswith("forge_"):
+            module.__class__ = plain_linears
+    # lr=1e-3, as the Trainer parity test: at 3e-3 Adam magnifies the last-bit differences of a
+    # few embedding entries' tiny gradients to 3e-6 of the largest entry by the eighth step
+    args = sft_config(tmp_path / optim / plain_linears.__name__, optim, max_steps=steps, max_length=128,
+                      learning_rate=1e-3, **overrides)
+    weights = StepWeights()
+    trainer_cls = ForgeSFT if optim.startswith("forge_") else trl.SFTTrainer
+    trainer_cls(model=model, args=args, train_dataset=rows(32), processing_class=tokenizer,
+                callbacks=[weights]).train()
+    assert len(weights.steps) == steps
+    return weights
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    """The largest over the tensors of assert_close_rel's measure, max |a - b| / max |b|."""
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in b)
+
+
+def test_weights_match_sft_trainer_in_fp32(tmp_path, single_thread):
+    """They differ by last bits: torch's AdamW on the CPU rounds its last line as w + (s * m) / d,
+    forge's rule as w + s * (m / d) (an fp32 ulp on some of the weights from the first step),
+    and a fused layer sums its gradient over the tokens in another order."""
+    forge = parity_run(tmp_path, "forge_adamw", bf16=False).steps
+    plain = parity_run(tmp_path, "adamw_torch", bf16=False).steps
+    for step, (a, b) in enumerate(zip(forge, plain), 1):
+        for name in b:
+            assert_close_rel(a[name], b[name], 1e-6, what=f"step {step}: {name}")
+
+
+class Fp32WeightGradient(torch.autograd.Function):
+    """A linear under bf16 autocast, as autocast runs it, but whose weight gradient is the fp32
+    sum of the bf16 products dY^T X (as forge's fused step forms it), not rounded to bf16."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+        ctx.save_for_backward(x16, w16)
+        ctx.x_dtype = x.dtype
+        return F.linear(x16, w16)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x16, w16 = ctx.saved_tensors
+        g = dy.reshape(-1, dy.shape[-1]).float().t() @ x16.reshape(-1, x16.shape[-1]).float()
+        return (dy @ w16).to(ctx.x_dtype), g
+
+
+class Fp32WeightGradientLinear(nn.Linear):
+    def forward(self, x):
+        assert torch.is_autocast_enabled(x.device.type) and self.bias is None
+        with torch.autocast(x.device.type, enabled=False):
+            return Fp32WeightGradient.apply(x, self.weight)
+
+
+def test_under_bf16_autocast_sft_trainer_steps_a_gradient_rounded_to_bf16(tmp_path, single_thread, monkeypatch):
+    """SFTConfig's bf16 defaults to True: fp32 weights then train under bf16 autocast. The plain
+    trainer's weight gradients are rounded to bf16 and forge's are not, so the two runs part from
+    the first step; forge matches the plain trainer whose linears keep the fp32 gradient. Three
+    steps: a few more, and a last-bit weight difference flips a bf16 rounding in the forward and
+    grows to 1e-4 (two plain runs that differ only in how AdamW's last line is rounded do the
+    same by the seventh)."""
+    assert sft_config(tmp_path).bf16 is True
+    fused_gradients = {}
+    fused_step = ForgeLinear.forge_fused_step
+
+    def recording(layer, x2, dy2):
+        assert x2.dtype == dy2.dtype == torch.bfloat16  # the fused step's inputs: autocast's tensors
+        fused_gradients.setdefault(f"{layer.forge_name}.weight", dy2.float().t() @ x2.float())
+        return fused_step(layer, x2, dy2)
+
+    monkeypatch.setattr(ForgeLinear, "forge_fused_step", recording)
+    forge = parity_run(tmp_path, "forge_adamw", steps=3).steps
+    plain = parity_run(tmp_path, "adamw_torch", steps=3)
+    fp32_gradients = parity_run(tmp_path, "adamw_torch", steps=3, plain_linears=Fp32WeightGradientLinear).steps
+
+    assert len(fused_gradients) == 14
+    for name, exact in fused_gradients.items():
+        rounded = plain.first_grads[name]
+        assert torch.equal(rounded, rounded.bfloat16().float()), name  # every entry a bf16 value
+        assert (exact != exact.bfloat16().float()).float().mean() > 0.9, name  # forge's: fp32 values
+        # forge's gradient rounded to bf16, up to the two sums' orders
+        assert ((rounded - exact).abs() <= 2**-8 * exact.abs() + 1e-6 * exact.abs().max()).all(), name
+    for step, (a, b, c) in enumerate(zip(forge, plain.steps, fp32_gradients), 1):
+        for name in c:
+            assert_close_rel(a[name], c[name], 1e-6, what=f"step {step}: {name}")
+        assert largest_difference(a, b) > 10 * largest_difference(a, c), step
