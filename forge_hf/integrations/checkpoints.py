@@ -8,7 +8,7 @@ short leaves a checkpoint-N without trainer_state.json, or with it cut short: an
 
 A *finished* one is resumed only if it also holds, each whole,
 - the model's weights: model.safetensors or pytorch_model.bin (or their index and every
-  shard it names), a PEFT adapter's, or FSDP's (pytorch_model_fsdp_0.bin or
+  shard it names), a PEFT adapter's, or FSDP's (pytorch_model_fsdp.bin or
   pytorch_model_fsdp_0/);
 - unless it was saved with save_only_model (then none of them): the optimizer
   (optimizer.pt, or forge_optimizer/ under FSDP2's sharded state dict), scheduler.pt and
@@ -25,12 +25,11 @@ import re
 import struct
 import zipfile
 
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import (
     ADAPTER_SAFE_WEIGHTS_NAME,
     ADAPTER_WEIGHTS_NAME,
-    FSDP_MODEL_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     WEIGHTS_INDEX_NAME,
@@ -43,7 +42,7 @@ logger = logging.get_logger(__name__)
 FORGE_SHARDED_OPTIMIZER = "forge_optimizer"  # ForgeTrainer's optimizer states under FSDP2's sharded state dict
 _STEP = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, ADAPTER_SAFE_WEIGHTS_NAME,
-            ADAPTER_WEIGHTS_NAME, f"{FSDP_MODEL_NAME}_0.bin", f"{FSDP_MODEL_NAME}_0")
+            ADAPTER_WEIGHTS_NAME, f"{FSDP_MODEL_NAME}.bin", f"{FSDP_MODEL_NAME}_0")
 
 
 class CheckpointError(ValueError):
@@ -70,7 +69,7 @@ def damage(checkpoint: str) -> tuple[str, str] | None:
     weights = [name for name in _WEIGHTS if name in present]
     if not weights:
         return os.path.join(checkpoint, SAFE_WEIGHTS_NAME), f"missing (nor any of {', '.join(_WEIGHTS[1:])})"
-    files = [os.path.join(checkpoint, weights[0])]
+    files = [os.path.join(checkpoint, name) for name in weights]
     optimizer = [n for n in (OPTIMIZER_NAME, FORGE_SHARDED_OPTIMIZER) if n in present]
     rng = sorted(n for n in present if re.fullmatch(r"rng_state(_\d+)?\.pth", n))
     if optimizer or SCHEDULER_NAME in present or rng:  # not a save_only_model checkpoint: all three
