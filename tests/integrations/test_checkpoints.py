@@ -4,10 +4,12 @@ ForgeTrainer.train and by the recipe (exit 2)."""
 
 import json
 import logging
+import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import TrainerCallback
 
 from forge_hf.integrations.checkpoints import CheckpointError, check_checkpoint, latest_checkpoint
 from forge_hf.integrations.trainer import ForgeTrainer
@@ -133,6 +135,43 @@ def test_forge_trainer_refuses_a_damaged_checkpoint_before_loading(tmp_path):
             trainer.train(resume_from_checkpoint=given)
         assert isinstance(error.value, ValueError) and "\n" not in str(error.value)
     assert trainer.state.global_step == 0
+
+
+class StepCounter(TrainerCallback):
+    count = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.count += 1
+
+
+def test_forge_trainer_resumes_past_an_unfinished_save(tmp_path, caplog):
+    out = tmp_path / "out"
+    args = dict(max_steps=10, save_strategy="steps", save_steps=5)
+    ForgeTrainer(model=tiny_llama(), args=training_args(out, **args), train_dataset=dataset()).train()
+    unfinished = out / "checkpoint-10"
+    (unfinished / "trainer_state.json").unlink()  # as a save killed before its last file leaves it
+    steps = StepCounter()
+    resumed = ForgeTrainer(model=tiny_llama(), args=training_args(out, **args), train_dataset=dataset(),
+                           callbacks=[steps])
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=True)
+    assert f"skipping {unfinished}, an unfinished save" in caplog.text
+    assert (resumed.state.global_step, steps.count) == (10, 5)  # steps 6-10, from checkpoint-5
+    assert check_checkpoint(unfinished) == str(unfinished)  # written again, whole
+
+
+def test_rotation_and_the_best_checkpoint_are_kept(tmp_path):
+    out = tmp_path / "out"
+    args = training_args(out, save_strategy="steps", save_steps=5, eval_strategy="steps", eval_steps=5,
+                         save_total_limit=2, load_best_model_at_end=True, metric_for_best_model="loss")
+    trainer = ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset(4, seed=1))
+    trainer.train()
+    kept = sorted(p.name for p in out.glob("checkpoint-*"))
+    best = trainer.state.best_model_checkpoint
+    assert len(kept) == 2 and {"checkpoint-20", os.path.basename(best)} <= set(kept), (kept, best)
+    for name in kept:
+        assert check_checkpoint(out / name) == str(out / name)
+    assert latest_checkpoint(str(out)) == str(out / "checkpoint-20")
 
 
 def _recipe_refuses(capsys, tmp_path, *fragments):
