@@ -58,7 +58,7 @@ def unfinished(checkpoint: str) -> str | None:
         with open(state, encoding="utf-8") as f:
             json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
-        return f"an unfinished save ({TRAINER_STATE_NAME} is cut short or damaged: {e})"
+        return f"an unfinished save ({state} is cut short or damaged: {e})"
     return None
 
 

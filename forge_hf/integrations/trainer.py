@@ -152,6 +152,10 @@ class ForgeTrainerMixin:
     checkpoints carry forge's optimizer states, whole or sharded by the plugin's state_dict_type.
     FSDP1 and DeepSpeed are refused.
 
+    Resuming: ``train(resume_from_checkpoint=True)`` takes the newest checkpoint whose save
+    finished, logging each unfinished one it skips; a checkpoint with a missing or damaged
+    file is refused before anything loads (checkpoints.py's CheckpointError names the file).
+
     ``optim_args="lean_loss=true"`` computes the training and eval loss by forge's chunked
     cross-entropy (lean_causal_lm_loss), set as the Trainer's compute_loss_func.
 

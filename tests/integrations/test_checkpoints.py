@@ -98,7 +98,7 @@ def test_bad_trainer_state_given_is_refused_and_true_skips_it(tmp_path, caplog):
     (path / "trainer_state.json").write_text('{"global_step": 2')  # cut short while written
     with pytest.raises(CheckpointError) as error:
         check_checkpoint(path)
-    _one_line_naming(error, path, "trainer_state.json is cut short or damaged", f"resume from {earlier}")
+    _one_line_naming(error, f"{path / 'trainer_state.json'} is cut short or damaged", f"resume from {earlier}")
     with caplog.at_level(logging.WARNING):
         assert latest_checkpoint(str(tmp_path)) == str(earlier)
     assert f"skipping {path}, an unfinished save" in caplog.text and f"resuming from {earlier}" in caplog.text
