@@ -8,7 +8,7 @@ short leaves a checkpoint-N without trainer_state.json, or with it cut short: an
 
 A *finished* one is resumed only if it also holds, each whole,
 - the model's weights: model.safetensors or pytorch_model.bin (or their index and every
-  shard it names), a PEFT adapter's, or FSDP's (pytorch_model_fsdp.bin or
+  shard it names), a PEFT adapter's (or several, one folder each), or FSDP's (pytorch_model_fsdp.bin or
   pytorch_model_fsdp_0/);
 - unless it was saved with save_only_model (then none of them): the optimizer
   (optimizer.pt, or forge_optimizer/ under FSDP2's sharded state dict), scheduler.pt and
@@ -66,7 +66,9 @@ def damage(checkpoint: str) -> tuple[str, str] | None:
     """(the file, what is wrong with it) for the first missing or damaged file of a finished
     save, or None if every file is whole."""
     present = set(os.listdir(checkpoint))
-    weights = [name for name in _WEIGHTS if name in present]
+    weights = [name for name in _WEIGHTS if name in present] or [  # several PEFT adapters: one folder each
+        os.path.join(n, a) for n in sorted(present) for a in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+        if os.path.isfile(os.path.join(checkpoint, n, a))]
     if not weights:
         return os.path.join(checkpoint, SAFE_WEIGHTS_NAME), f"missing (nor any of {', '.join(_WEIGHTS[1:])})"
     files = [os.path.join(checkpoint, name) for name in weights]

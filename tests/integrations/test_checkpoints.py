@@ -81,6 +81,18 @@ def test_missing_weights_and_a_sharded_index(tmp_path):
     assert check_checkpoint(path) == str(path)
 
 
+def test_peft_adapters_in_folders_are_weights(tmp_path):
+    path = write_checkpoint(tmp_path / "checkpoint-20")
+    (path / "model.safetensors").unlink()
+    (path / "default").mkdir()
+    save_file({"lora_A": torch.zeros(2, 4)}, str(path / "default" / "adapter_model.safetensors"))
+    assert check_checkpoint(path) == str(path)
+    _cut(path / "default" / "adapter_model.safetensors")
+    with pytest.raises(CheckpointError) as error:
+        check_checkpoint(path)
+    _one_line_naming(error, path / "default" / "adapter_model.safetensors", "is damaged")
+
+
 def test_fsdp2_sharded_optimizer_needs_its_metadata(tmp_path):
     path = write_checkpoint(tmp_path / "checkpoint-20")
     (path / "optimizer.pt").unlink()
