@@ -129,3 +129,17 @@ def benchmark_module(name: str):
         yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def write_checkpoint(path: Path) -> Path:
+    """A small checkpoint-N holding the files a Trainer checkpoint does, each whole
+    (forge_hf.integrations.checkpoints checks them without loading them)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text('{"global_step": 1}')
+    save_file({"weight": torch.zeros(4, 4)}, str(path / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": []}, path / "optimizer.pt")
+    torch.save({"last_epoch": 1}, path / "scheduler.pt")
+    torch.save({"cpu": torch.random.get_rng_state()}, path / "rng_state.pth")
+    return path

@@ -8,6 +8,7 @@ non-fused gradients: silent wrong training).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -15,6 +16,8 @@ import warnings
 
 import torch
 from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..core.config import ForgeConfig
@@ -23,6 +26,7 @@ from ..optim.distributed import enable_data_parallel
 from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from ..optim.optimizer import ForgeOptimizer, fused_layers
 from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, PatchReport, patch_model
+from .checkpoints import FORGE_SHARDED_OPTIMIZER, check_checkpoint, latest_checkpoint
 from .cuda_graph import TrainerGraph, skip_packing_check
 from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
 from .step_order import StepOrder
@@ -147,6 +151,10 @@ class ForgeTrainerMixin:
     accelerate's FSDP2, the fused layers step their FSDP2 row shards (optim/fsdp.py) and
     checkpoints carry forge's optimizer states, whole or sharded by the plugin's state_dict_type.
     FSDP1 and DeepSpeed are refused.
+
+    Resuming: ``train(resume_from_checkpoint=True)`` takes the newest checkpoint whose save
+    finished, logging each unfinished one it skips; a checkpoint with a missing or damaged
+    file is refused before anything loads (checkpoints.py's CheckpointError names the file).
 
     ``optim_args="lean_loss=true"`` computes the training and eval loss by forge's chunked
     cross-entropy (lean_causal_lm_loss), set as the Trainer's compute_loss_func.
@@ -296,14 +304,38 @@ class ForgeTrainerMixin:
     # written by rank 0 as optimizer.pt; SHARDED_STATE_DICT: each rank's rows through DCP
     # (optim/fsdp.save_sharded_optimizer), in FORGE_SHARDED_OPTIMIZER/.
 
-    FORGE_SHARDED_OPTIMIZER = "forge_optimizer"
+    FORGE_SHARDED_OPTIMIZER = FORGE_SHARDED_OPTIMIZER
 
     def _forge_sharded_checkpoint(self) -> bool:
         return "SHARDED_STATE_DICT" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
 
+    # ------------------------------------------------------------- checkpoints: finished or not
+    # The Trainer writes a checkpoint's trainer_state.json last (rank 0), which makes it the mark
+    # of a finished save (checkpoints.py): ForgeTrainer removes a stale one before writing the
+    # checkpoint again, and waits for every process's files before rank 0 writes it.
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's train(); ``resume_from_checkpoint=True`` takes the newest checkpoint
+        whose save finished (logging each one skipped), and a checkpoint with a missing or
+        damaged file is refused, naming it (checkpoints.CheckpointError), before anything loads."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_checkpoint(self.args.output_dir) or True  # none: the Trainer's error
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            resume_from_checkpoint = check_checkpoint(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _save_checkpoint(self, model, trial):
         self.forge_graph.join()  # the weights and states the last replay wrote
+        if self.args.should_save:
+            checkpoint = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with contextlib.suppress(FileNotFoundError):  # a save cut short must not look finished by an old one
+                os.remove(os.path.join(checkpoint, TRAINER_STATE_NAME))
         return super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)  # each process's own file, the last before trainer_state.json
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         self.forge_graph.join()

@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import get_last_checkpoint
 
 from ..core.config import ForgeConfig, closest, trainer_keys
+from ..integrations.checkpoints import CheckpointError, check_checkpoint, latest_checkpoint
 from ..integrations.lean_loss import check_lean_loss
 from ..integrations.trainer import check_training_arguments  # registers the forge_* optim names
 from ..integrations.training_args import OPTIMIZER_NAMES, PREFIX, config_from_training_args, rule_name
@@ -392,22 +391,20 @@ def _uncapturable(o: ForgeConfig, t: TrainingArguments) -> str | None:
 
 
 def _checkpoint_to_resume(value: str | None, output_dir: str, fail) -> str | None:
-    """resume_from_checkpoint as a checkpoint directory: true means the latest checkpoint-N
-    in output_dir (Hugging Face's convention), false none."""
+    """resume_from_checkpoint as a checkpoint directory that can be resumed: true means the
+    newest checkpoint-N in output_dir whose save finished (integrations/checkpoints.py), false none."""
     if value is None or value.lower() == "false":
         return None
-    if value.lower() == "true":
-        value = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if value is None:
-            fail(f"resume_from_checkpoint: true resumes from the latest checkpoint-N in output_dir, and "
-                 f"{output_dir!r} holds none: give the checkpoint's path, or the output_dir it was saved in")
-    if not os.path.isdir(value):
-        fail(f"resume_from_checkpoint={value!r} does not exist: give a checkpoint-N directory, or true for "
-             "the latest one in output_dir")
-    if not os.path.isfile(os.path.join(value, TRAINER_STATE_NAME)):
-        fail(f"resume_from_checkpoint={value!r} is not a Trainer checkpoint (it has no {TRAINER_STATE_NAME}): "
-             "give a checkpoint-N directory, or true for the latest one in output_dir")
-    return value
+    try:
+        if value.lower() == "true":
+            latest = latest_checkpoint(output_dir)
+            if latest is None:
+                fail(f"resume_from_checkpoint: true resumes from the latest checkpoint-N in output_dir, and "
+                     f"{output_dir!r} holds none: give the checkpoint's path, or the output_dir it was saved in")
+            return latest
+        return check_checkpoint(value)
+    except CheckpointError as e:
+        fail(f"resume_from_checkpoint={value}: {e}")
 
 
 def _name(value) -> str:

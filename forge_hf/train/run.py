@@ -9,7 +9,8 @@ packed OpenMathInstruct-2 blocks and ForgeTrainer; trains with the Trainer's pro
 logs and checkpoints; saves the final model and tokenizer in output_dir. It prints the
 patch report's headline first (the table: output_dir/forge_report.txt) and a summary last
 (output_dir/forge_summary.json, with the loss curves in output_dir/loss.png): report.py.
-``--resume_from_checkpoint true`` continues from the latest checkpoint-N in output_dir.
+``--resume_from_checkpoint true`` continues from the latest checkpoint-N in output_dir whose
+save finished (integrations/checkpoints.py).
 
 Command-line overrides follow the recipe path as ``--key value`` (any recipe key, listed
 below) and win over the file, e.g. ``--learning_rate 1e-5 --max_steps 100``.

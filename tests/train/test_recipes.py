@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 from forge_hf.core.config import trainer_keys
 from forge_hf.train.arguments import ForgeArguments
 from forge_hf.train.recipe import PATH_KEYS, RecipeError, load_recipe
+from tests.helpers import write_checkpoint
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
@@ -219,10 +220,7 @@ def test_yaml_booleans_for_true_false_choices(tmp_path):
 
 
 def _checkpoint(output_dir: Path, step: int) -> Path:
-    path = output_dir / f"checkpoint-{step}"
-    path.mkdir(parents=True)
-    (path / "trainer_state.json").write_text("{}")
-    return path
+    return write_checkpoint(output_dir / f"checkpoint-{step}")
 
 
 @pytest.mark.parametrize("given", [["--resume_from_checkpoint", "true"], ["--resume_from_checkpoint", "True"], "yaml"])

@@ -1,10 +1,11 @@
 """The smoke recipe end to end, as a user runs it: `accelerate launch -m forge_hf.train`
-and the `forge-hf train` console script (also resuming), each in a subprocess; what a
-run prints and leaves in output_dir."""
+and the `forge-hf train` console script (also resuming, after a run killed in the middle of
+a save), each in a subprocess; what a run prints and leaves in output_dir."""
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,11 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from forge_hf.integrations.checkpoints import check_checkpoint
 from forge_hf.train import cli
 from forge_hf.train import run as train
+from tests.helpers import ROOT, WORKERS
 
-ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "recipes" / "smoke.yaml"
 
 
@@ -31,13 +33,14 @@ def _script(name: str) -> str:
     return found
 
 
-def _run(command, tmp_path, timeout=300):
+def _run(command, tmp_path, timeout=300, returncode=0, **env):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"),
-               OMP_NUM_THREADS="1")  # one thread per process: 2-core CI machines run tests side by side
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),  # this checkout's forge_hf
+               OMP_NUM_THREADS="1", **env)  # one thread per process: 2-core CI machines run tests side by side
     env.pop("TRITON_INTERPRET", None)  # the smoke recipe uses the reference backend
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    assert done.returncode == returncode, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done
 
 
@@ -102,6 +105,24 @@ def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
     assert (summary["resumed_from"], summary["steps_this_run"]) == (str(resumed / "checkpoint-10"), 10)
     straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(straight[k], again[k]) for k in straight)  # the same run, bit for bit
+
+
+@pytest.mark.slow
+def test_a_save_killed_midway_is_skipped_when_resuming(tmp_path):
+    out = tmp_path / "killed"
+    arguments = [str(SMOKE), "--max_steps", "15", "--eval_strategy", "no", "--save_steps", "5",
+                 "--output_dir", str(out)]
+    _run([sys.executable, str(WORKERS / "killed_save_script.py"), *arguments], tmp_path, returncode=-signal.SIGKILL,
+         KILL_AT="10")
+    unfinished = out / "checkpoint-10"
+    assert (unfinished / "optimizer.pt").is_file() and not (unfinished / "trainer_state.json").exists()
+
+    done = _run([_script("forge-hf"), "train", *arguments, "--resume_from_checkpoint", "true"], tmp_path)
+    assert f"skipping {unfinished}, an unfinished save (no trainer_state.json" in done.stderr
+    summary = json.loads((out / "forge_summary.json").read_text())
+    assert (summary["resumed_from"], summary["steps_this_run"], summary["steps"]) == (str(out / "checkpoint-5"), 10, 15)
+    assert check_checkpoint(unfinished) == str(unfinished)  # written again, whole, over the unfinished one
+    assert json.loads((unfinished / "trainer_state.json").read_text())["global_step"] == 10
 
 
 def test_a_bad_recipe_stops_before_training(tmp_path, capsys):
