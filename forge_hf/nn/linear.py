@@ -305,14 +305,14 @@ class FusedWeightMixin:
             return
         warned.add((reason, for_good))
         if for_good:
-            what = (f"for good: {reason}. Its weight gradient is materialised from now on; an optimizer "
+            what = (f" for good: {reason}. Its weight gradient is materialised from now on; an optimizer "
                     "over all trainable parameters steps it")
         else:
-            what = (f"{reason}. Its weight gradient in this step is materialised for an optimizer over all "
+            what = (f": {reason}. Its weight gradient in this step is materialised for an optimizer over all "
                     "trainable parameters (ForgeOptimizer steps it with the layer's own state); the layer "
                     "fuses again in the first step without this cause, once that gradient is consumed "
                     "(weight.grad is None again, as after zero_grad()). Told once per layer and cause")
-        warnings.warn(f"forge: {self.forge_name} falls back to the ordinary optimizer {what}. Exclude it in "
+        warnings.warn(f"forge: {self.forge_name} falls back to the ordinary optimizer{what}. Exclude it in "
                       "patch_model(exclude=[...]) to keep it on the ordinary path silently.",
                       ForgeFallbackWarning, stacklevel=2)
 
@@ -332,7 +332,8 @@ class FusedWeightMixin:
         if torch._C._current_graph_task_id() == -1:
             d = self.__dict__
             d["_forge_updates"] = 0
-            if d.get("forge_fallback_reason") is not None and d["_parameters"]["weight"].grad is None:
+            if (d.get("forge_fallback_reason") is not None and d["forge_enabled"]
+                    and d["_parameters"]["weight"].grad is None):
                 d["forge_fallback_reason"] = None  # last step's fallback: its gradient was consumed
 
     def __getstate__(self):

@@ -87,7 +87,9 @@ class Skipped:
 
 @dataclass
 class PatchReport:
-    """What patch_model did: ``print(report)`` shows it as a table."""
+    """What patch_model did: ``print(report)`` shows it as a table. ``fused`` and
+    ``fell_back`` follow the layers of the model (held weakly) when the report is printed or
+    summarised, and at ``update_fallbacks``."""
 
     config: ForgeConfig
     fused: list[FusedModule] = field(default_factory=list)
