@@ -141,11 +141,11 @@ class ForgeTrainerMixin:
 
     Patches the model when the optimizer is created (after Liger), creates a
     ForgeOptimizer, logs ``grad_norm`` (from the kernels' squared sums plus the ordinary
-    gradients), ``forge_nonfinite_tiles`` and ``forge_fallback_layers`` (fused layers that
-    switched to the ordinary optimizer at run time: each is also logged once, with its
-    reason, and moved to ``forge_report.fell_back``). Gradients are never clipped: a fused
-    weight is stepped before the whole gradient's norm is known. Under TRL's trainers the
-    output head stays on the ordinary path (optim/patch.py's TRL_LM_HEAD).
+    gradients), ``forge_nonfinite_tiles`` and ``forge_fallback_layers`` (fused layers on
+    the ordinary optimizer in their last step or for good: each is also logged once per
+    reason, and listed in ``forge_report.fell_back`` while it lasts). Gradients are never
+    clipped: a fused weight is stepped before the whole gradient's norm is known. Under
+    TRL's trainers the output head stays on the ordinary path (optim/patch.py's TRL_LM_HEAD).
 
     Several processes: forge's data parallelism (optim/distributed.py) under DDP, or, under
     accelerate's FSDP2, the fused layers step their FSDP2 row shards (optim/fsdp.py) and
@@ -436,18 +436,18 @@ class ForgeTrainerMixin:
         return super().log(logs, *args, **kwargs)
 
     def forge_note_fallbacks(self) -> int:
-        """Bring ``forge_report`` up to date with the fused layers that switched to the
-        ordinary optimizer (nn/linear.py's forge_fall_back), log each one once, and return
-        how many there are."""
-        fell_back = {n: m for n, m in fused_layers(self.model).items() if not m.forge_enabled}
+        """Bring ``forge_report`` up to date with the fused layers on the ordinary optimizer,
+        for good or in their last step (nn/linear.py's forge_fall_back), log each layer once
+        per reason, and return how many there are."""
+        reasons = {n: m.forge_fallback() for n, m in fused_layers(self.model).items()}
+        fell_back = {n: reason for n, reason in reasons.items() if reason is not None}
         if self.forge_report is not None:
             self.forge_report.update_fallbacks(self.model)
         announced = self.__dict__.setdefault("_forge_announced_fallbacks", set())
-        for name in sorted(fell_back.keys() - announced):
+        for name, reason in sorted(fell_back.items() - announced):
             summary = f"; {self.forge_report.summary()}" if self.forge_report is not None else ""
-            reason = getattr(fell_back[name], "forge_fallback_reason", "fusion was switched off")
             logger.warning(f"forge: {name} fell back to the ordinary optimizer: {reason}{summary}")
-            announced.add(name)
+            announced.add((name, reason))
         return len(fell_back)
 
 

@@ -134,10 +134,9 @@ def fused_linear_backward(x: Tensor, dy: Tensor, anchor: Tensor, tag: Tensor,
     # The anchor's AccumulateGrad stands for the weight: not executed under
     # autograd.grad(outputs, inputs) that leaves the weight out, so no step then.
     if layer.weight.requires_grad and _anchor_in_this_backward(layer):
-        reason = _conflict(layer, [c for c in calls if c is not call])
-        if reason:
-            layer.forge_fall_back(reason)
-        stepped = layer.forge_consume_gradient(x.reshape(-1, n_in), dy.reshape(-1, n_out), node=None)
+        others = [c for c in calls if c is not call]
+        stepped = layer.forge_consume_gradient(x.reshape(-1, n_in), dy.reshape(-1, n_out),
+                                               lambda: _conflict(layer, others))
         if call is not None:
             call[1] = stepped
     return dx, anchor.new_empty(0)
@@ -179,8 +178,6 @@ def _conflict(layer: nn.Module, other_calls: list) -> str | None:
     """Why the weight must not be stepped in this backward, or None: the checks of
     FusedWeightMixin.forge_conflict that hold without the graph's nodes. A gradient from
     another reader of the weight is caught by the weight's hook, as in eager."""
-    if not layer.forge_enabled:
-        return None
     if layer.weight.grad is not None:
         return "its weight already holds a gradient (.grad was set outside the module)"
     # Without nodes, any other call whose graph is alive counts, in this backward or not.

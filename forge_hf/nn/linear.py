@@ -9,6 +9,7 @@ state lives with it (``forge_state``).
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import Protocol
@@ -130,7 +131,7 @@ def fused_backward(ctx, x, dy, anchor_index, need_dx):
     # The anchor's AccumulateGrad stands for the weight: not executed under
     # autograd.grad(outputs, inputs) that leaves the weight out, so no step then.
     if layer._parameters["weight"].requires_grad and _in_this_backward(ctx.next_functions[anchor_index][0]):
-        ctx.forge_stepped = layer.forge_consume_gradient(_rows(x), dy2, ctx)
+        ctx.forge_stepped = layer.forge_consume_gradient(_rows(x), dy2, functools.partial(layer.forge_conflict, ctx))
     return dx, db
 
 
@@ -157,7 +158,8 @@ class FusedWeightMixin:
         self.forge_group = config.group()
         self.forge_state = ForgeState(self.forge_rule, config.state_precision, transposed=self.forge_transposed)
         self.forge_layer_index = int(layer_index)
-        self.forge_enabled = True  # False: gradients flow to W.grad for an ordinary optimizer
+        self.forge_enabled = True  # False: gradients flow to W.grad for an ordinary optimizer, for good
+        self.forge_fallback_reason = None  # why the last step sent the gradient to W.grad (forge_fall_back)
         self.forge_name = self.__dict__.get("forge_name", type(self).__name__)  # patch_model: the module name
         self.forge_stats = torch.zeros(2, dtype=torch.float32, device=self.weight.device)
         self._forge_anchor = new_anchor(self)  # made before any trace: torch.compile finds the layer by it
@@ -168,19 +170,15 @@ class FusedWeightMixin:
         weight = self._parameters["weight"]  # not through nn.Module.__getattr__: called a few times a step
         return weight.t() if self.forge_transposed else weight
 
-    def forge_consume_gradient(self, x2: torch.Tensor, dy2: torch.Tensor, node=None) -> bool:
-        """Step the weight with G = dy2^T x2, or, when fusion is off for this layer (or
-        ``node``'s backward finds another consumer of the weight), add G to ``weight.grad``
+    def forge_consume_gradient(self, x2: torch.Tensor, dy2: torch.Tensor, conflict=None) -> bool:
+        """Step the weight with G = dy2^T x2, or, when this step is not fused (forge_fuses;
+        ``conflict``: its check for other consumers of the weight), add G to ``weight.grad``
         for the ordinary optimizer. Returns whether the weight was stepped."""
         if torch.is_grad_enabled():  # a backward with create_graph=True: the step is not differentiable
             with torch.no_grad():
-                return self.forge_consume_gradient(x2, dy2, node)
-        if self.forge_enabled and node is not None:
-            reason = self.forge_conflict(node)
-            if reason:
-                self.forge_fall_back(reason)
+                return self.forge_consume_gradient(x2, dy2, conflict)
         weight = self._parameters["weight"]
-        if not self.forge_enabled:
+        if not self.forge_fuses(conflict):
             g = dy2.float().t() @ x2.float()
             g = (g.t() if self.forge_transposed else g).to(weight.dtype)
             if weight.grad is None:
@@ -199,9 +197,10 @@ class FusedWeightMixin:
     # One fused step per weight per backward is exact only if this module's single call
     # is the weight's only consumer (paper Remark 1). Checked in backward, before the
     # step, against the running graph: another call of the module or another reader of
-    # the weight in this backward means the ordinary path for all of them. A gradient
-    # that shows up from elsewhere (another backward, Liger reading lm_head.weight) is
-    # caught by the weight's post-accumulate-grad hook.
+    # the weight in this backward means the ordinary path for all of them in this step
+    # (forge_fuses). A gradient that shows up from elsewhere (another backward, Liger
+    # reading lm_head.weight) is caught by the weight's post-accumulate-grad hook: before
+    # the step, the same; after it, a permanent fallback.
 
     def forge_track(self, node) -> None:
         """Called by each fused forward: remember the node weakly (forge_conflict)."""
@@ -229,6 +228,24 @@ class FusedWeightMixin:
 
         self._forge_hook = (weakref.ref(self.weight), self.weight.register_post_accumulate_grad_hook(on_gradient))
 
+    def forge_fuses(self, conflict=None) -> bool:
+        """Whether this backward steps the weight; if not, its gradient goes to ``weight.grad``.
+        ``conflict()`` names another consumer of the weight in this step, or None. Such a
+        fallback lasts while the weight holds the gradient it started: once that gradient is
+        consumed (``weight.grad`` is None again, as after ``zero_grad()``) the layer fuses again."""
+        if not self.forge_enabled:
+            return False
+        d = self.__dict__
+        if d.get("forge_fallback_reason") is not None:
+            if d["_parameters"]["weight"].grad is not None:
+                return False  # this step is on the ordinary path already: add to its gradient
+            d["forge_fallback_reason"] = None
+        reason = conflict() if conflict is not None else None
+        if reason:
+            self.forge_fall_back(reason)
+            return False
+        return True
+
     def forge_conflict(self, node) -> str | None:
         """Why the weight must not be stepped in ``node``'s backward, or None."""
         weight = self._parameters["weight"]
@@ -255,36 +272,57 @@ class FusedWeightMixin:
 
     def forge_on_gradient(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: a gradient of a fused weight materialised."""
-        if not self.forge_enabled or param is not self.weight:
-            return
-        if getattr(self, "_forge_updates", 0):
+        d = self.__dict__
+        if not self.forge_enabled or param is not self.weight or d.get("forge_fallback_reason") is not None:
+            return  # not fused, or this step is on the ordinary path already: the gradient joins it
+        if d.get("_forge_updates", 0):
             # Stepped already with only its own share; stepping again would be worse.
             param.grad = None
             self.forge_fall_back(
                 "its weight received a gradient from outside the module after this step had "
                 "already updated it (a consumer in another backward or checkpoint segment); that "
-                "gradient was dropped, so this step's update used only the module's own share")
+                "gradient was dropped, so this step's update used only the module's own share", for_good=True)
         else:
             self.forge_fall_back(
                 "its weight received a gradient from outside the module (it is read directly: "
                 "tied, or by Liger's fused linear cross-entropy, ...)")
 
-    def forge_fall_back(self, reason: str) -> None:
-        """Switch this layer to the ordinary path for good: its weight gradient is
-        materialised and an ordinary optimizer steps it (ForgeOptimizer does, with the same
-        ForgeState)."""
+    def forge_fall_back(self, reason: str, for_good: bool = False) -> None:
+        """Send this layer's weight gradient to ``weight.grad``, where an ordinary optimizer
+        steps it (ForgeOptimizer does, with the same ForgeState): for this step (forge_fuses
+        says when it fuses again), or ``for_good``. Warns once per layer and reason."""
         if not self.forge_enabled:
             return
-        self.forge_enabled = False
-        self.forge_fallback_reason = reason
-        # the ordinary path accumulates through this node: autograd then makes it on the
-        # stream of the step that runs it (a captured one's too), not on the one it was looked up on
-        self.__dict__.pop("_forge_accumulator", None)
-        warnings.warn(
-            f"forge: {self.forge_name} falls back to the ordinary optimizer: {reason}. Its weight "
-            "gradient is materialised from now on; an optimizer over all trainable parameters "
-            "steps it. Exclude it in patch_model(exclude=[...]) to silence this.",
-            ForgeFallbackWarning, stacklevel=2)
+        d = self.__dict__
+        d["forge_fallback_reason"] = reason
+        if for_good:
+            self.forge_enabled = False
+            # the ordinary path accumulates through this node: autograd then makes it on the
+            # stream of the step that runs it (a captured one's too), not on the one it was looked up on
+            d.pop("_forge_accumulator", None)
+        warned = d.setdefault("_forge_warned", set())
+        if (reason, for_good) in warned:  # a layer with this cause in every step: correct, and told once
+            return
+        warned.add((reason, for_good))
+        if for_good:
+            what = (f" for good: {reason}. Its weight gradient is materialised from now on; an optimizer "
+                    "over all trainable parameters steps it")
+        else:
+            what = (f": {reason}. Its weight gradient in this step is materialised for an optimizer over all "
+                    "trainable parameters (ForgeOptimizer steps it with the layer's own state); the layer "
+                    "fuses again in the first step without this cause, once that gradient is consumed "
+                    "(weight.grad is None again, as after zero_grad()). Told once per layer and cause")
+        warnings.warn(f"forge: {self.forge_name} falls back to the ordinary optimizer{what}. Exclude it in "
+                      "patch_model(exclude=[...]) to keep it on the ordinary path silently.",
+                      ForgeFallbackWarning, stacklevel=2)
+
+    def forge_fallback(self) -> str | None:
+        """Why this layer's weight gradient goes to ``weight.grad``: for good, or in its last
+        step; None while it fuses."""
+        reason = self.__dict__.get("forge_fallback_reason")
+        if not self.forge_enabled:
+            return reason or "fusion was switched off"
+        return reason
 
     def forge_note_call(self) -> None:
         """A forward call: outside a backward (not a checkpoint recomputation) it starts a
@@ -292,13 +330,17 @@ class FusedWeightMixin:
         rows updated by other ranks arrive first."""
         self.forge_ready()
         if torch._C._current_graph_task_id() == -1:
-            self.__dict__["_forge_updates"] = 0
+            d = self.__dict__
+            d["_forge_updates"] = 0
+            if (d.get("forge_fallback_reason") is not None and d["forge_enabled"]
+                    and d["_parameters"]["weight"].grad is None):
+                d["forge_fallback_reason"] = None  # last step's fallback: its gradient was consumed
 
     def __getstate__(self):
         # Weak references and hook handles belong to this object: a copy makes its own.
         state = dict(self.__dict__)
         for key in ("_forge_nodes", "_forge_hook", "_forge_anchor", "forge_dp", "_forge_one_process",
-                    "_forge_launch", "_forge_accumulator"):
+                    "_forge_launch", "_forge_accumulator", "_forge_warned"):
             state.pop(key, None)
         return state
 
@@ -366,8 +408,9 @@ class FusedWeightMixin:
             dp.wait()
 
     def forge_active(self) -> bool:
-        return (self.forge_enabled and self.training and torch.is_grad_enabled()
-                and self._parameters["weight"].requires_grad)
+        """Whether a forward goes through the fused Function. Not ``self.training``: a
+        backward in eval mode steps the weight as in train mode (dropout is the model's)."""
+        return self.forge_enabled and torch.is_grad_enabled() and self._parameters["weight"].requires_grad
 
     def forge_forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # custom ops torch.compile traces (compiled_linear.py)

@@ -62,7 +62,7 @@ def _product(gate, up):
 def _swiglu_forward(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
     down = self.down_proj
-    if not (isinstance(down, FusedWeightMixin) and down.forge_active()):  # eval, unpatched, fallen back
+    if not (isinstance(down, FusedWeightMixin) and down.forge_active()):  # no grad, unpatched, fallen back for good
         return down(F.silu(gate) * up)
     if torch.compiler.is_compiling():
         # The fused linear's custom op on a product the compiler forms again in backward:

@@ -6,8 +6,8 @@ an ordinary optimizer (ForgeOptimizer steps both kinds). This file is the static
 the safety rules; the runtime half (a module called twice in a step, a weight read
 elsewhere, a gradient that materialises anyway) is in nn/linear.py (FusedWeightMixin).
 
-A runtime fallback shows in the report once ``PatchReport.update_fallbacks(model)`` has
-read it from the layers (ForgeTrainer does at every log).
+A runtime fallback shows in the report, which reads the layers of the model it patched
+(held weakly) whenever it is printed or summarised, and at ``update_fallbacks``.
 
 ``include`` / ``exclude`` patterns are fnmatch globs (``*``, ``?``, ``[..]``) matched against
 whole dot-separated parts of a module's name: ``"lm_head"``, ``"q_proj"`` (every q_proj),
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -43,7 +44,7 @@ EXCLUDED = "excluded"              # matches an exclude pattern
 NOT_INCLUDED = "not_included"      # include was given and matches it not
 BELOW_MIN_PARAMS = "below_min_params"
 UNSUPPORTED = "unsupported"        # a subclass with its own forward, fp16 weight, ...
-FELL_BACK = "fell_back"            # fused, then switched to the ordinary path while training (PatchReport.fell_back)
+FELL_BACK = "fell_back"            # fused, on the ordinary path in its last step or for good (PatchReport.fell_back)
 
 PLAIN_TYPES = (nn.Linear, Conv1D)
 FUSED_TYPES = {nn.Linear: ForgeLinear, Conv1D: ForgeConv1D}
@@ -86,12 +87,17 @@ class Skipped:
 
 @dataclass
 class PatchReport:
-    """What patch_model did: ``print(report)`` shows it as a table."""
+    """What patch_model did: ``print(report)`` shows it as a table. ``fused`` and
+    ``fell_back`` follow the layers of the model (held weakly) when the report is printed or
+    summarised, and at ``update_fallbacks``."""
 
     config: ForgeConfig
     fused: list[FusedModule] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     fell_back: list[Skipped] = field(default_factory=list)  # reason FELL_BACK, detail: the layer's reason
+    _model: weakref.ref | None = field(default=None, repr=False, compare=False)  # the patched model, weakly
+    # the fused modules now in fell_back, by name: a layer that fuses again returns to fused
+    _unfused: dict[str, FusedModule] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def fused_params(self) -> int:
@@ -109,20 +115,34 @@ class PatchReport:
         """Skipped name -> reason."""
         return {s.name: s.reason for s in self.skipped}
 
-    def update_fallbacks(self, model: nn.Module) -> list[Skipped]:
-        """Move the fused modules of ``model`` that have switched to the ordinary path
-        (FusedWeightMixin.forge_fall_back) from ``fused`` to ``fell_back``; returns those
-        moved now. ``model`` is the one patch_model was given."""
+    def update_fallbacks(self, model: nn.Module | None = None) -> list[Skipped]:
+        """Bring ``fused`` and ``fell_back`` up to date with the layers of ``model`` (default:
+        the model patch_model was given): a layer on the ordinary path, for good or in its
+        last step (FusedWeightMixin.forge_fall_back), is in ``fell_back`` with its reason;
+        one that fuses again is back in ``fused``. Returns the entries new in ``fell_back``."""
+        if model is None:
+            model = self._model() if self._model is not None else None
+            if model is None:
+                return []
         modules = dict(model.named_modules())
-        moved = [m for m in self.fused if getattr(modules.get(m.name), "forge_enabled", True) is False]
-        for m in moved:
-            self.fused.remove(m)
-            reason = getattr(modules[m.name], "forge_fallback_reason", "fusion was switched off")
-            self.fell_back.append(Skipped(m.name, m.kind, m.shape, FELL_BACK, reason))
-        return self.fell_back[len(self.fell_back) - len(moved):]
+        order = {name: i for i, name in enumerate(modules)}
+        every = sorted([*self.fused, *self._unfused.values()], key=lambda m: order.get(m.name, len(order)))
+        before = {s.name for s in self.fell_back}
+        self.fused, self.fell_back, self._unfused = [], [], {}
+        for m in every:
+            layer = modules.get(m.name)
+            reason = layer.forge_fallback() if isinstance(layer, FusedWeightMixin) else None
+            if reason is None:
+                self.fused.append(m)
+                continue
+            when = "for good" if not layer.forge_enabled else "last step; it fuses again once the cause is gone"
+            self._unfused[m.name] = m
+            self.fell_back.append(Skipped(m.name, m.kind, m.shape, FELL_BACK, f"{reason} ({when})"))
+        return [s for s in self.fell_back if s.name not in before]
 
     def summary(self) -> str:
         """The first line of ``str(report)``."""
+        self.update_fallbacks()
         fell_back = f", {len(self.fell_back)} fell back" if self.fell_back else ""
         return (f"forge patch: {len(self.fused)} modules fused ({self.fused_params:,} parameters, "
                 f"{_size(self.gradient_bytes_saved)} of gradients never allocated){fell_back}, "
@@ -130,8 +150,8 @@ class PatchReport:
                 f"state_precision={self.config.state_precision}, rounding={self.config.rounding}")
 
     def __str__(self) -> str:
+        parts = [self.summary()]  # brings fused and fell_back up to date
         fused = [(m.name, m.kind, " x ".join(map(str, m.shape)), f"{m.params:,}") for m in self.fused]
-        parts = [self.summary()]
         if fused:
             parts.append(_table(("fused", "kind", "shape (out x in)", "params"), fused))
         for title, entries in (("fell back", self.fell_back), ("skipped", self.skipped)):
@@ -374,7 +394,7 @@ def patch_model(model: nn.Module, config: ForgeConfig | None = None, **options) 
                     f"not {wanted}: call forge_hf.unpatch_model(model) first to patch it anew"
                 )
 
-    report = PatchReport(config)
+    report = PatchReport(config, _model=weakref.ref(model))
     next_index = 1 + max((m.forge_layer_index for _, m, _ in decisions if isinstance(m, FusedWeightMixin)),
                          default=-1)
     for name, module, skip in decisions:

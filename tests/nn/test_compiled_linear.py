@@ -244,7 +244,8 @@ def test_a_module_called_twice_falls_back_as_in_eager(single_thread):
             warnings.simplefilter("always")
             train(run, opt, batches(16, 16, n=3))
         assert [m for m in fallback_warnings(caught) if "called more than once in this step" in m], compiled
-        assert not model.sq.forge_enabled
+        # called twice in every step: the ordinary path in each, with the fused op kept
+        assert model.sq.forge_enabled and "called more than once" in model.sq.forge_fallback()
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)  # both paths: the whole gradient, stepped by ForgeOptimizer
@@ -270,6 +271,23 @@ def test_a_kept_graph_counts_as_a_second_call():
     kept = run(x)  # noqa: F841 - held with its graph
     with pytest.warns(ForgeFallbackWarning, match="still holds its autograd graph"):
         F.mse_loss(run(x), target).backward()
+
+
+def test_a_compiled_layer_fuses_again_in_the_step_after_a_fallback():
+    model, opt = patched()
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    (x, target), = batches(24, 16, n=1)
+    kept = run(x)  # held with its graph: this step's backward takes the ordinary path
+    with pytest.warns(ForgeFallbackWarning, match="still holds its autograd graph"):
+        F.mse_loss(run(x), target).backward()
+    assert model.up.weight.grad is not None and model.up.forge_state.step == 0
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForgeFallbackWarning)
+        F.mse_loss(run(x), target).backward()
+    assert model.up.weight.grad is None and model.up.forge_state.step == 2 and model.up.forge_fallback() is None
 
 
 def test_a_second_backward_through_stepped_layers_is_refused():

@@ -1,12 +1,14 @@
-"""ForgeLinear as a module: parameters kept, no weight gradient, plain in eval/no_grad,
-autocast, non-finite tiles, grad-norm sums, bad arguments."""
+"""ForgeLinear as a module: parameters kept, no weight gradient, plain under no_grad,
+fused in eval mode as in train mode, autocast, non-finite tiles, grad-norm sums, bad arguments."""
 
+import copy
 import math
+import warnings
 
 import pytest
 import torch
 
-from forge_hf import ForgeLinear
+from forge_hf import ForgeFallbackWarning, ForgeLinear
 from forge_hf.kernels.triton.fused_update import default_blocks
 from tests.helpers import exact_gradient, exact_inputs
 
@@ -36,17 +38,41 @@ def test_backward_gives_input_and_bias_grads_but_no_weight_grad(backend, device)
     torch.testing.assert_close(lin.weight, ref.weight - 0.1 * ref.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_eval_mode_and_no_grad_are_plain_linear():
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_no_grad_and_inference_mode_are_plain_linear(mode):
     lin = torch.nn.Linear(8, 4)
-    layer = ForgeLinear.from_linear(lin, backend="reference")
+    layer = ForgeLinear.from_linear(lin, backend="reference").train(mode == "train")
     before = lin.weight.detach().clone()
     x = torch.randn(3, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
-    layer.eval()
-    out = layer(x)
-    assert out.grad_fn is not None and "Fused" not in type(out.grad_fn).__name__
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            out = layer(x)
+        assert out.grad_fn is None
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
     assert torch.equal(lin.weight, before) and layer.forge_state.step == 0
+
+
+def test_eval_mode_backward_steps_the_weight_as_train_mode_does():
+    """Fusion does not depend on module.training: a backward in eval mode steps the weight
+    with the bits of a train-mode twin, and nothing falls back."""
+    lin = torch.nn.Linear(24, 16)
+    layers = {mode: ForgeLinear.from_linear(copy.deepcopy(lin), optimizer="adamw", lr=1e-2, weight_decay=0.1,
+                                            backend="reference") for mode in ("train", "eval")}
+    layers["eval"].eval()
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForgeFallbackWarning)
+        for _ in range(3):
+            x, dy = torch.randn(5, 24, generator=gen), torch.randn(5, 16, generator=gen)
+            for layer in layers.values():
+                layer(x).backward(dy)
+    train, eval_ = layers["train"], layers["eval"]
+    assert not eval_.training and eval_.forge_enabled and eval_.forge_fallback() is None
+    assert eval_.weight.grad is None and eval_.forge_state.step == train.forge_state.step == 3
+    assert torch.equal(eval_.weight, train.weight) and torch.equal(eval_.bias.grad, train.bias.grad)
+    for key, value in train.forge_state.state_dict().items():
+        other = eval_.forge_state.state_dict()[key]
+        assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
 
 
 def test_fallback_returns_ordinary_gradient():

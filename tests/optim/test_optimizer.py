@@ -146,8 +146,8 @@ def test_step_twice_or_never_leaves_fused_weights_alone():
 
 
 def test_weight_read_outside_its_layer_falls_back_to_step():
-    """A fused weight with a second consumer is switched to the ordinary path (linear.py);
-    step() then applies the rule to its whole gradient, with the layer's own state."""
+    """A fused weight with a second consumer takes the ordinary path in each such step
+    (linear.py); step() then applies the rule to its whole gradient, with the layer's own state."""
 
     class Shared(nn.Module):
         def __init__(self, proj):
@@ -171,7 +171,8 @@ def test_weight_read_outside_its_layer_falls_back_to_step():
                 m(x).square().sum().backward()
             opt.step()
             opt.zero_grad()
-    assert not model.proj.forge_enabled and model.proj.forge_state.step == 3
+    # the second consumer is there in every step: each step takes the ordinary path
+    assert model.proj.forge_fallback() is not None and model.proj.forge_state.step == 3
     assert_models_close(model, reference)
 
 

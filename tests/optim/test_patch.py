@@ -7,6 +7,7 @@ reuse)."""
 import copy
 import re
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from transformers.pytorch_utils import Conv1D
 
 from forge_hf.nn.conv1d import ForgeConv1D
 from forge_hf.nn.linear import ForgeFallbackWarning, ForgeLinear
+from forge_hf.optim.optimizer import ForgeOptimizer
 from forge_hf.optim.patch import (
     ADAPTER,
     BELOW_MIN_PARAMS,
@@ -35,6 +37,7 @@ from forge_hf.optim.patch import (
     patch_model,
     unpatch_model,
 )
+from tests.optim.test_optimizer import assert_models_close, batches, patched, torch_twin, train_step
 from tests.optim.test_patch_models import (
     CASES,
     HP,
@@ -272,7 +275,7 @@ def test_deepcopy_of_a_patched_model_watches_its_own_weights():
     assert twin[0].weight is not model[0].weight
     with pytest.warns(ForgeFallbackWarning, match="forge: 0 falls back"):
         F.linear(torch.randn(2, 8), twin[0].weight).sum().backward()
-    assert twin[0].forge_enabled is False and model[0].forge_enabled is True
+    assert "read directly" in twin[0].forge_fallback() and model[0].forge_fallback() is None
 
 
 # ----------------------------------------------------------------------------- consumers
@@ -308,8 +311,79 @@ def test_multi_consumer_weight_falls_back_once_and_trains_exactly(use):
         train(forge_model, case)
     assert report.fused_names == ["lin"]
     assert [str(w.message).split(":")[1] for w in caught] == [" lin falls back to the ordinary optimizer"]
-    assert forge_model.lin.forge_enabled is False
+    # the cause is there in every step: on the ordinary path in each, warned once
+    assert forge_model.lin.forge_enabled and forge_model.lin.forge_fallback() is not None
     assert_trained_alike(forge_model, torch_model, grads)
+
+
+class SometimesShared(nn.Module):
+    """``lin`` consumed by ``use`` in the steps where ``shared`` is set, else called once."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.use = use
+        self.shared = False
+
+    def forward(self, x):
+        return (self.use(self, x) if self.shared else self.lin(x)).square().mean()
+
+
+# read_only is left out: its module is not called in the shared steps, so nothing marks a
+# new step there, and a gradient after last step's fused step reads as one after this step's
+@pytest.mark.parametrize("use", ["called_twice", "read_after_call", "read_before_call"])
+def test_a_fallback_for_one_step_fuses_again_once_its_gradient_is_consumed(use):
+    torch.manual_seed(0)
+    model = SometimesShared(USES[use])
+    reference = copy.deepcopy(model)
+    report = patch_model(model, min_params=0, backend="reference")
+    optimizer = ForgeOptimizer(model, lr=1e-2, weight_decay=0.1)
+    twin = torch_twin(reference, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    layer = model.lin
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for shared in (True, False, True, True, False):
+            x = torch.randn(4, 5, 16, generator=gen)
+            for m in (model, reference):
+                m.shared = shared
+                m(x).backward()
+            assert (layer.weight.grad is not None) == shared  # a fused step leaves no gradient
+            for opt in (optimizer, twin):
+                opt.step()
+                opt.zero_grad()
+            text = str(report)  # up to date without update_fallbacks
+            if shared:
+                assert report.fused == [] and [s.name for s in report.fell_back] == ["lin"]
+                assert ", 1 fell back," in report.summary() and "fell back  kind" in text
+                assert f"fell_back: {layer.forge_fallback()} (last step; it fuses again" in text
+            else:
+                assert report.fused_names == ["lin"] and report.fell_back == [] and "fell back" not in text
+    warned = [str(w.message) for w in caught if issubclass(w.category, ForgeFallbackWarning)]
+    assert len(warned) == 1, warned  # the cause came back in two more steps: told once
+    assert "lin falls back to the ordinary optimizer: " in warned[0] and "fuses again" in warned[0]
+    assert layer.forge_enabled and layer.forge_state.step == 5  # one state, whichever path stepped it
+    assert_models_close(model, reference)
+
+
+def test_a_patched_model_in_eval_mode_trains_as_in_train_mode():
+    """from_pretrained returns a model in eval mode: its fused layers step the same bits as
+    in train mode (the model has no dropout), and none falls back."""
+    models = {mode: patched() for mode in ("train", "eval")}
+    models["eval"].eval()
+    optimizers = {mode: ForgeOptimizer(m, lr=1e-3, weight_decay=0.1) for mode, m in models.items()}
+    report = patch_model(models["eval"], backend="reference", min_params=0)  # fused already: the same layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForgeFallbackWarning)
+        for ids in batches(3):
+            for mode, m in models.items():
+                train_step(m, optimizers[mode], ids)
+    assert not models["eval"].training and report.fell_back == [] and " fell back" not in str(report)
+    for (name, a), b in zip(models["eval"].named_parameters(), models["train"].parameters()):
+        assert torch.equal(a, b), name
+    for name, layer in models["eval"].named_modules():
+        if isinstance(layer, ForgeLinear):
+            assert layer.forge_state.step == 3 and layer.weight.grad is None, name
 
 
 def test_the_report_moves_a_layer_that_falls_back_and_says_why():
@@ -337,9 +411,27 @@ def test_gradient_from_another_backward_after_the_step_is_dropped_with_a_warning
     layer = _fused()
     layer(torch.randn(3, 16)).sum().backward()
     assert layer.forge_state.step == 1
-    with pytest.warns(ForgeFallbackWarning, match="lin falls back .* that gradient was dropped"):
+    with pytest.warns(ForgeFallbackWarning, match="lin falls back to the ordinary optimizer for good: .* that "
+                                                  "gradient was dropped"):
         layer.weight.square().sum().backward()
     assert layer.weight.grad is None and not layer.forge_enabled
+    for _ in range(2):  # for good: the next steps, without the second backward, stay on the ordinary path
+        layer(torch.randn(3, 16)).sum().backward()
+        assert layer.weight.grad is not None and layer.forge_state.step == 1
+        layer.weight.grad = None
+    assert "that gradient was dropped" in layer.forge_fallback()
+
+
+def test_the_report_says_a_fallback_for_good_is_for_good():
+    model = nn.Sequential(nn.Linear(16, 16))
+    report = patch_model(model, min_params=0, backend="reference")
+    model(torch.randn(3, 16)).sum().backward()
+    with pytest.warns(ForgeFallbackWarning, match="for good"):
+        model[0].weight.square().sum().backward()
+    model(torch.randn(3, 16)).sum().backward()
+    text = str(report)
+    assert "that gradient was dropped, so this step's update used only the module's own share (for good)" in text
+    assert report.fused == [] and [s.name for s in report.fell_back] == ["0"]
 
 
 def test_a_stale_saved_weight_fails_loudly_instead_of_using_the_new_value():
@@ -433,7 +525,7 @@ def test_liger_applied_after_patching_is_caught_at_runtime(device):
     train(torch_model, case, record=grads)
     with pytest.warns(ForgeFallbackWarning, match="lm_head falls back .* read directly"):
         train(forge_model, case)
-    assert forge_model.lm_head.forge_enabled is False
+    assert forge_model.lm_head.forge_enabled and "read directly" in forge_model.lm_head.forge_fallback()
     assert_trained_alike(forge_model, torch_model, grads)
 
 
