@@ -329,6 +329,15 @@ def test_refuses_to_train_when_nothing_is_fused(tmp_path):
         trainer.train()  # every layer of the tiny model is below patch_model's default min_params
 
 
+def test_float16_weights_are_named_as_why_nothing_is_fused(tmp_path):
+    trainer = ForgeTrainer(model=tiny_llama().half(), args=training_args(tmp_path), train_dataset=dataset())
+    with pytest.warns(UserWarning, match="its float16 weights are not fused"), pytest.raises(
+            ValueError, match=r"fused no module of LlamaForCausalLM: 15 of its linears have float16 weights, and "
+                              r"fused steps need float32 or bfloat16 weights, .*gradient scaler.*: load the model "
+                              r"in bfloat16, or in float32 and train with bf16=True \(autocast\)$"):
+        trainer.create_optimizer()
+
+
 def test_refuses_an_optimizer_that_is_not_forge(tmp_path):
     model = tiny_llama()
     with pytest.raises(ValueError, match="ForgeOptimizer"):
