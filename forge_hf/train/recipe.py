@@ -98,14 +98,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a repeated key instead of silently keeping the last one."""
 
     def construct_mapping(self, node, deep=False):
-        seen = set()
+        first_line = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            if key in first_line:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice: keep one", key_node.start_mark)
-            seen.add(key)
+                    None, None, f"key {key!r} appears twice (first on line {first_line[key]}): keep one",
+                    key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(path: Path, error: yaml.YAMLError) -> str:
+    """One line, located in the file: PyYAML's own message spans several and names no path."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return f"{path}: not valid YAML: {' '.join(str(error).split())}"
+    mark, context = error.problem_mark, error.context_mark
+    started = f" ({error.context} from line {context.line + 1})" if error.context and context else ""
+    return f"{path}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {error.problem}{started}"
 
 
 def read_yaml(path: Path) -> dict:
@@ -113,9 +123,10 @@ def read_yaml(path: Path) -> dict:
         raise RecipeError(f"recipe file {path} does not exist: give the path of a .yaml recipe "
                           "(see recipes/)")
     try:
-        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        with path.open(encoding="utf-8") as stream:
+            values = yaml.load(stream, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        raise RecipeError(_yaml_error(path, e)) from None
     if values is None:
         raise RecipeError(f"{path}: the file is empty (no `key: value` lines): write the recipe's keys, "
                           "e.g. starting from recipes/smoke.yaml")
