@@ -109,7 +109,7 @@ def test_train_help_lists_every_key_the_recipe_groups_first(capsys):
     assert cli.main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     listed = set(re.findall(r"^  (--\w+)", out, flags=re.MULTILINE))
-    assert listed == {a.option_strings[0] for a in recipe_parser()._actions if a.dest != "help"}  # -h: first
+    assert listed == {a.option_strings[0] for a in recipe_parser()._actions if a.dest != "help"}  # and -h, --help
     headings = [line for line in out.splitlines() if line and not line[0].isspace() and line.endswith(":")]
     assert headings[-4:] == ["model:", "data:", "forge:", "training (TrainingArguments' fields):"]
     assert out.index("--forge_lean_loss") < out.index("--output_dir")
