@@ -119,9 +119,9 @@ def recipe_parser():
     whose module takes seconds to import."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    from ..integrations.training_args import register_optimizer_names
+    from ..integrations.training_args import add_optimizer_names
 
-    register_optimizer_names()  # optim's choices include forge_<rule>
+    add_optimizer_names()  # optim's choices include forge_<rule>; transformers' Trainer need not load
     parser = HfArgumentParser((ModelArguments, DataArguments, ForgeArguments, TrainingArguments),
                               usage="python -m forge_hf.train RECIPE.yaml [--key value ...]",
                               allow_abbrev=False, exit_on_error=False)
