@@ -25,7 +25,7 @@ from ..nn.swiglu import recompute_swiglu
 from ..optim.distributed import enable_data_parallel
 from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from ..optim.optimizer import ForgeOptimizer, fused_layers
-from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, PatchReport, patch_model
+from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, FLOAT16, FLOAT16_FIX, PatchReport, patch_model
 from .checkpoints import FORGE_SHARDED_OPTIMIZER, check_checkpoint, latest_checkpoint
 from .cuda_graph import TrainerGraph, skip_packing_check
 from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
@@ -468,6 +468,10 @@ def nothing_fused_message(optim: str, model, report: PatchReport) -> str:
                 "adapters, which forge leaves to the ordinary optimizer (fused, they save no peak memory and "
                 "step slower): train them with an ordinary optim such as adamw_torch_fused, or add "
                 "min_params=0 to optim_args to fuse them anyway")
+    if FLOAT16 in reasons:
+        fp16 = sum(s.reason == FLOAT16 for s in report.skipped)
+        return (f"optim='{optim}' fused no module of {name}: {fp16} of its linears have float16 weights, and "
+                f"{FLOAT16_FIX}")
     if BELOW_MIN_PARAMS in reasons:
         return (f"optim='{optim}' fused no module of {name}: its trainable linears are below min_params "
                 "(patch_model's warning above counts them): add min_params=0 to optim_args to fuse them, "

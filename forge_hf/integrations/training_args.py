@@ -49,15 +49,22 @@ def _refuse_plain_trainer(get_optimizer_cls_and_kwargs):
     return wrapped
 
 
+def add_optimizer_names() -> None:
+    """The forge_<rule> names among TrainingArguments' ``optim`` choices (OptimizerNames);
+    idempotent. register_optimizer_names does this and more."""
+    from transformers.training_args import OptimizerNames
+
+    for value in OPTIMIZER_NAMES:
+        _add_enum_member(OptimizerNames, value.upper(), value)
+
+
 def register_optimizer_names() -> None:
     """Make ``TrainingArguments(optim="forge_<rule>")`` valid (also through HfArgumentParser)
     and a plain Trainer refuse those names; idempotent. ``import forge_hf`` calls it when
     transformers' TrainingArguments is loaded already, and ForgeTrainer and the CLI do."""
     from transformers import Trainer
-    from transformers.training_args import OptimizerNames
 
-    for value in OPTIMIZER_NAMES:
-        _add_enum_member(OptimizerNames, value.upper(), value)
+    add_optimizer_names()
     current = Trainer.get_optimizer_cls_and_kwargs  # a staticmethod: the plain function
     if not getattr(current, "forge_refusal", False):
         Trainer.get_optimizer_cls_and_kwargs = staticmethod(_refuse_plain_trainer(current))

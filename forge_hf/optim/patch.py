@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
@@ -43,8 +44,14 @@ ADAPTER = "adapter"                # a PEFT adapter linear while min_params > 0 
 EXCLUDED = "excluded"              # matches an exclude pattern
 NOT_INCLUDED = "not_included"      # include was given and matches it not
 BELOW_MIN_PARAMS = "below_min_params"
-UNSUPPORTED = "unsupported"        # a subclass with its own forward, fp16 weight, ...
+FLOAT16 = "float16"                # a float16 weight: fused steps need fp32 or bf16 (FLOAT16_FIX)
+UNSUPPORTED = "unsupported"        # a subclass with its own forward, a float64 weight, ...
 FELL_BACK = "fell_back"            # fused, on the ordinary path in its last step or for good (PatchReport.fell_back)
+
+# why float16 weights are not fused, and what to load instead
+FLOAT16_FIX = ("fused steps need float32 or bfloat16 weights, as float16 training needs a gradient scaler, which a "
+               "fused step cannot use: load the model in bfloat16, or in float32 and train with bf16=True "
+               "(autocast)")
 
 PLAIN_TYPES = (nn.Linear, Conv1D)
 FUSED_TYPES = {nn.Linear: ForgeLinear, Conv1D: ForgeConv1D}
@@ -298,6 +305,8 @@ def _skip_reason(name, module, *, include, exclude, owners, embeddings, read_hea
         return UNSUPPORTED, "forward is replaced on the instance (an accelerate/offload hook?)"
     if parametrize.is_parametrized(module):
         return UNSUPPORTED, "the weight is parametrized"
+    if w.dtype == torch.float16:
+        return FLOAT16, FLOAT16_FIX
     if w.dtype not in WEIGHT_DTYPES:
         return UNSUPPORTED, f"weight dtype {w.dtype} is not supported: use float32 (autocast) or bfloat16 weights"
     if min_params and id(module) in adapters:
@@ -434,6 +443,9 @@ def _reason_counts(report: PatchReport) -> str:
 
 def _nothing_fused_hint(report: PatchReport) -> str:
     reasons = {s.reason for s in report.skipped}
+    if FLOAT16 in reasons:
+        return (" (its float16 weights are not fused, as float16 training needs a gradient scaler: load the model in "
+                "bfloat16, or in float32 and train with bf16=True)")
     if ADAPTER in reasons:
         return " (pass min_params=0 to fuse small layers and PEFT adapters)"
     return " (pass min_params=0 to fuse small layers)" if BELOW_MIN_PARAMS in reasons else ""

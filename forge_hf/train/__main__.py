@@ -1,5 +1,5 @@
 import sys
 
-from .run import main
+from .cli import train
 
-sys.exit(main())
+sys.exit(train(sys.argv[1:], prog="python -m forge_hf.train"))

@@ -1,5 +1,7 @@
 """The recipe's own argument groups. A recipe is one flat YAML mapping over these fields and
-every ``TrainingArguments`` field (forge_hf.train.recipe parses it with HfArgumentParser).
+every ``TrainingArguments`` field, parsed by ``recipe_parser`` (forge_hf.train.recipe reads
+and checks it). Importing this module loads neither torch nor transformers, so ``forge-hf
+train --help`` lists these groups at once.
 
 Liger, gradient checkpointing, seeds and the optimizer name are TrainingArguments fields
 already (``use_liger_kernel``, ``gradient_checkpointing``, ``seed``/``data_seed``,
@@ -102,3 +104,26 @@ ForgeArguments = make_dataclass(
     namespace={"_argument_group_name": "forge", "options": _set_options,
                "__doc__": "The recipe's forge_* keys: ForgeConfig's options (core/config.py)."})
 ForgeArguments.__module__ = __name__
+
+
+OPTIM_ARGS_HELP = (
+    "Comma-separated key=value options of the optimizer. For optim: forge_<rule>, the rule's own "
+    "hyperparameters (e.g. momentum=0.9 for forge_sgd; lr, weight_decay, betas and eps come from "
+    "learning_rate, weight_decay, adam_beta1/adam_beta2 and adam_epsilon) and the forge options "
+    f"{', '.join(trainer_keys())} (lists '|'-joined), which the forge_* keys set one by one."
+)
+
+
+def recipe_parser():
+    """HfArgumentParser over every recipe key: these groups and TrainingArguments' fields,
+    whose module takes seconds to import."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from ..integrations.training_args import add_optimizer_names
+
+    add_optimizer_names()  # optim's choices include forge_<rule>; transformers' Trainer need not load
+    parser = HfArgumentParser((ModelArguments, DataArguments, ForgeArguments, TrainingArguments),
+                              usage="python -m forge_hf.train RECIPE.yaml [--key value ...]",
+                              allow_abbrev=False, exit_on_error=False)
+    next(a for a in parser._actions if a.dest == "optim_args").help = OPTIM_ARGS_HELP
+    return parser

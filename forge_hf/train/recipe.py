@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 import yaml
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import TrainingArguments
 
-from ..core.config import ForgeConfig, closest, trainer_keys
+from ..core.config import ForgeConfig, closest
 from ..integrations.checkpoints import CheckpointError, check_checkpoint, latest_checkpoint
 from ..integrations.lean_loss import check_lean_loss
 from ..integrations.trainer import check_training_arguments  # registers the forge_* optim names
 from ..integrations.training_args import OPTIMIZER_NAMES, PREFIX, config_from_training_args, rule_name
-from .arguments import DataArguments, ForgeArguments, ModelArguments
+from .arguments import DataArguments, ForgeArguments, ModelArguments, recipe_parser
 from .data import LOCAL_FORMATS
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, ForgeArguments, TrainingArguments)
@@ -43,12 +43,6 @@ PATH_NOTE = ("(a relative path is relative to the recipe's directory in the file
              "directory on the command line)")
 FLOAT16_FIX = ("fused layers step fp32 or bf16 weights, and float16 training needs a gradient scaler, which "
                "a fused step cannot use: use dtype: bfloat16, or dtype: float32 with bf16: true (autocast)")
-OPTIM_ARGS_HELP = (
-    "Comma-separated key=value options of the optimizer. For optim: forge_<rule>, the rule's own "
-    "hyperparameters (e.g. momentum=0.9 for forge_sgd; lr, weight_decay, betas and eps come from "
-    "learning_rate, weight_decay, adam_beta1/adam_beta2 and adam_epsilon) and the forge options "
-    f"{', '.join(trainer_keys())} (lists '|'-joined), which the forge_* keys set one by one."
-)
 
 
 class RecipeError(ValueError):
@@ -63,13 +57,6 @@ class Recipe:
     forge: ForgeArguments
     training: TrainingArguments
     config: ForgeConfig | None = None  # built from forge and training by check_recipe
-
-
-def recipe_parser() -> HfArgumentParser:
-    parser = HfArgumentParser(ARGUMENT_CLASSES, usage="python -m forge_hf.train RECIPE.yaml [--key value ...]",
-                              allow_abbrev=False, exit_on_error=False)
-    next(a for a in parser._actions if a.dest == "optim_args").help = OPTIM_ARGS_HELP
-    return parser
 
 
 def load_recipe(path, overrides=()) -> Recipe:
@@ -98,14 +85,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a repeated key instead of silently keeping the last one."""
 
     def construct_mapping(self, node, deep=False):
-        seen = set()
+        first_line = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            if key in first_line:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice: keep one", key_node.start_mark)
-            seen.add(key)
+                    None, None, f"key {key!r} appears twice (first on line {first_line[key]}): keep one",
+                    key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(path: Path, error: yaml.YAMLError) -> str:
+    """One line, located in the file: PyYAML's own message spans several and names no path."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return f"{path}: not valid YAML: {' '.join(str(error).split())}"
+    mark, context = error.problem_mark, error.context_mark
+    started = f" ({error.context} from line {context.line + 1})" if error.context and context else ""
+    return f"{path}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {error.problem}{started}"
 
 
 def read_yaml(path: Path) -> dict:
@@ -113,9 +110,10 @@ def read_yaml(path: Path) -> dict:
         raise RecipeError(f"recipe file {path} does not exist: give the path of a .yaml recipe "
                           "(see recipes/)")
     try:
-        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        with path.open(encoding="utf-8") as stream:
+            values = yaml.load(stream, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        raise RecipeError(_yaml_error(path, e)) from None
     if values is None:
         raise RecipeError(f"{path}: the file is empty (no `key: value` lines): write the recipe's keys, "
                           "e.g. starting from recipes/smoke.yaml")

@@ -3,8 +3,9 @@
 Start: the patch report's headline (what was fused, the gradient memory never allocated);
 the full table in forge_report.txt (written again at the end, with any layer that fell
 back to the ordinary path while training).
-End: a short summary (steps/s, tokens/s, losses, peak memory, forge's memory against
-AdamW), also in forge_summary.json, and the train and eval loss curves in loss.png.
+End: a short summary (steps/s and tokens/s over this run's own steps when it resumed,
+losses, peak memory, forge's memory against AdamW), also in forge_summary.json, and the
+train and eval loss curves in loss.png.
 """
 
 import json
@@ -100,7 +101,9 @@ def summarize(recipe, trainer, clock: RunClock, train_seconds: float, wall_secon
     return {
         "recipe": str(recipe.path), "output_dir": args.output_dir, "processes": args.world_size,
         "resumed_from": args.resume_from_checkpoint, "steps_this_run": run_steps,
-        "steps": steps, "tokens": steps * tokens_per_step, "train_seconds": train_seconds, "wall_seconds": wall_seconds,
+        "steps": steps, "tokens_this_run": run_steps * tokens_per_step, "tokens": steps * tokens_per_step,
+        "train_seconds": train_seconds, "wall_seconds": wall_seconds,
+        # the rates are this run's: its steps and tokens over its time, not counting those before a resume
         "steps_per_second": run_steps / train_seconds,
         "steps_per_second_after_first_step": (run_steps - 1) / later_seconds if later_seconds else None,
         "tokens_per_second": run_steps * tokens_per_step / train_seconds,
@@ -126,11 +129,13 @@ def print_summary(summary: dict) -> None:
     if "cuda_peak_allocated_gib" in summary:
         memory = (f"GPU peak {summary['cuda_peak_allocated_gib']:.2f} GiB allocated "
                   f"({summary['cuda_peak_reserved_gib']:.2f} GiB reserved), {memory}")
+    steps, tokens = f"{summary['steps']}", f"{summary['tokens']:,}"
+    if summary["resumed_from"]:  # the totals, then this run's share, which the rates are over
+        steps += f", {summary['steps_this_run']} after resuming from {summary['resumed_from']}"
+        tokens += f", {summary['tokens_this_run']:,} after resuming"
     lines = [
-        f"steps       {summary['steps']} ({_rate(summary, 'steps_per_second', 'steps/s')})"
-        + (f", {summary['steps_this_run']} after resuming from {summary['resumed_from']}"
-           if summary["resumed_from"] else ""),
-        f"tokens      {summary['tokens']:,} ({_rate(summary, 'tokens_per_second', 'tokens/s')})",
+        f"steps       {steps} ({_rate(summary, 'steps_per_second', 'steps/s')})",
+        f"tokens      {tokens} ({_rate(summary, 'tokens_per_second', 'tokens/s')})",
         f"time        train {summary['train_seconds']:.1f} s, total {summary['wall_seconds']:.1f} s",
         f"loss        first {_loss(summary['first_loss'])}, last {_loss(summary['last_loss'])}, "
         f"eval {_loss(summary['last_eval_loss'])}",

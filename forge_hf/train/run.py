@@ -1,19 +1,11 @@
-"""Train from a recipe:
-
-    python -m forge_hf.train RECIPE.yaml [--key value ...]
-    accelerate launch -m forge_hf.train RECIPE.yaml [--key value ...]
-    forge-hf train RECIPE.yaml [--key value ...]
-
-Builds the model (pretrained, or randomly initialised from a config), the tokenizer, the
-packed OpenMathInstruct-2 blocks and ForgeTrainer; trains with the Trainer's progress bar,
-logs and checkpoints; saves the final model and tokenizer in output_dir. It prints the
-patch report's headline first (the table: output_dir/forge_report.txt) and a summary last
-(output_dir/forge_summary.json, with the loss curves in output_dir/loss.png): report.py.
-``--resume_from_checkpoint true`` continues from the latest checkpoint-N in output_dir whose
-save finished (integrations/checkpoints.py).
-
-Command-line overrides follow the recipe path as ``--key value`` (any recipe key, listed
-below) and win over the file, e.g. ``--learning_rate 1e-5 --max_steps 100``.
+"""Train from a recipe: ``run`` builds the model (pretrained, or randomly initialised from a
+config), the tokenizer, the packed OpenMathInstruct-2 blocks and ForgeTrainer; trains with
+the Trainer's progress bar, logs and checkpoints; saves the final model and tokenizer in
+output_dir. It prints the patch report's headline first (the table:
+output_dir/forge_report.txt) and a summary last (output_dir/forge_summary.json, with the
+loss curves in output_dir/loss.png): report.py. ``main`` is what ``forge-hf train`` and
+``python -m forge_hf.train`` run once cli.py has their arguments: a recipe path and its
+``--key value`` overrides.
 """
 
 import contextlib
@@ -27,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, defaul
 from ..integrations.trainer import ForgeTrainer
 from .arguments import ModelArguments
 from .data import build_datasets
-from .recipe import FLOAT16_FIX, Recipe, RecipeError, load_recipe, recipe_parser
+from .recipe import FLOAT16_FIX, Recipe, RecipeError, load_recipe
 from .report import RunClock, summarize, write_patch_report, write_summary
 
 
@@ -95,12 +87,8 @@ def run(recipe: Recipe) -> dict:
     return summary
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        recipe_parser().print_help()
-        return 0
+def main(argv) -> int:
+    """Run the recipe ``argv[0]`` with the overrides ``argv[1:]``; 2 when it cannot run."""
     try:
         recipe = load_recipe(argv[0], argv[1:])
     except RecipeError as e:
@@ -118,7 +106,3 @@ def main(argv=None) -> int:
             return 2
         raise
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -322,11 +322,31 @@ def test_bad_data_parallel_mode_is_refused(tmp_path):
         ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
 
 
+@pytest.mark.parametrize("optim_args,match", [
+    ("state_precison=bf16", r"unknown optim_args key 'state_precison' .*did you mean 'state_precision'"),
+    ("rounding=nearst", r"optim_args rounding: unknown rounding='nearst'.*did you mean 'nearest'"),
+    ("momentum=0.9", r"unknown optim_args key 'momentum' for optim='forge_adamw'"),
+], ids=["key", "value", "other_rules_key"])
+def test_bad_optim_args_stop_the_trainers_construction(tmp_path, optim_args, match):
+    with pytest.raises(ValueError, match=match):  # when built, not at train()
+        ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path, optim_args=f"{FAST},{optim_args}"),
+                     train_dataset=dataset())
+
+
 def test_refuses_to_train_when_nothing_is_fused(tmp_path):
     trainer = ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path, optim_args="backend=reference"),
                            train_dataset=dataset())
     with pytest.warns(UserWarning, match="fused no module"), pytest.raises(ValueError, match="min_params=0"):
         trainer.train()  # every layer of the tiny model is below patch_model's default min_params
+
+
+def test_float16_weights_are_named_as_why_nothing_is_fused(tmp_path):
+    trainer = ForgeTrainer(model=tiny_llama().half(), args=training_args(tmp_path), train_dataset=dataset())
+    with pytest.warns(UserWarning, match="its float16 weights are not fused"), pytest.raises(
+            ValueError, match=r"fused no module of LlamaForCausalLM: 15 of its linears have float16 weights, and "
+                              r"fused steps need float32 or bfloat16 weights, .*gradient scaler.*: load the model "
+                              r"in bfloat16, or in float32 and train with bf16=True \(autocast\)$"):
+        trainer.create_optimizer()
 
 
 def test_refuses_an_optimizer_that_is_not_forge(tmp_path):

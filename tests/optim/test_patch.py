@@ -27,6 +27,7 @@ from forge_hf.optim.patch import (
     EXCLUDED,
     EXPERT_TENSOR,
     FELL_BACK,
+    FLOAT16,
     FROZEN,
     LIGER_LM_HEAD,
     LINEAR_MAP_SUBCLASSES,
@@ -113,11 +114,24 @@ def test_bf16_weights_save_two_bytes_per_parameter():
     assert report.gradient_bytes_saved == 2 * report.fused_params == 2 * (64 + 32)
 
 
-def test_fp16_weight_is_skipped_with_a_reason():
-    model = nn.Sequential(nn.Linear(8, 8).half(), nn.Linear(8, 8))
+def test_fp16_weight_is_skipped_with_its_cause_and_fix():
+    model = nn.Sequential(nn.Linear(8, 8).half(), nn.Linear(8, 8), nn.Linear(8, 8).double())
     report = patch_model(model, min_params=0)
     assert report.fused_names == ["1"]
-    assert "float16 is not supported" in report.skipped[0].detail
+    assert report.skip_reasons() == {"0": FLOAT16, "2": UNSUPPORTED}
+    fp16 = next(line for line in str(report).splitlines() if line.startswith("0 "))  # the layer's own row
+    for words in ("float16: fused steps need float32 or bfloat16 weights", "gradient scaler",
+                  "load the model in bfloat16, or in float32 and train with bf16=True"):
+        assert words in fp16, fp16
+    assert "float64 is not supported" in report.skipped[1].detail
+
+
+def test_all_fp16_weights_warn_with_the_cause():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).half()
+    with pytest.warns(UserWarning, match=r"fused no module of Sequential \(its float16 weights are not fused, .*"
+                                         r"load the model in bfloat16, or in float32 and train with bf16=True\): "
+                                         r"skipped 2 float16"):
+        patch_model(model, min_params=0)
 
 
 def test_default_min_params_keeps_tiny_layers_and_says_so():

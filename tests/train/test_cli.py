@@ -4,6 +4,7 @@ by `import forge_hf` after transformers, by importing ForgeTrainer, or by
 exit code 2 and no output directory."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import forge_hf
 from forge_hf.train import cli
+from forge_hf.train.arguments import recipe_parser
 from tests.train.test_recipes import _smoke_values, write_recipe
 
 
@@ -84,6 +86,55 @@ def test_public_names_resolve_on_first_use():
     assert set(forge_hf.__all__) <= set(dir(forge_hf))
     with pytest.raises(AttributeError, match="no attribute 'patch_modle'"):
         forge_hf.patch_modle  # noqa: B018
+
+
+@pytest.mark.slow
+def test_train_help_lists_the_recipe_groups_before_torch_loads():
+    out = _python("""
+        import sys
+        from forge_hf.train import arguments, cli
+
+        def recipe_parser():  # where TrainingArguments' fields would load
+            print("LOADED", sorted(m for m in ("torch", "transformers.training_args") if m in sys.modules))
+            raise SystemExit(0)
+
+        arguments.recipe_parser = recipe_parser
+        cli.main(["train", "--help"])
+    """)
+    assert "--forge_state_precision" in out and "--model_config" in out and "--block_size" in out
+    assert out.rstrip().endswith("LOADED []")
+
+
+def test_train_help_lists_every_key_the_recipe_groups_first(capsys):
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    listed = set(re.findall(r"^  (--\w+)", out, flags=re.MULTILINE))
+    assert listed == {a.option_strings[0] for a in recipe_parser()._actions if a.dest != "help"}  # and -h, --help
+    headings = [line for line in out.splitlines() if line and not line[0].isspace() and line.endswith(":")]
+    assert headings[-4:] == ["model:", "data:", "forge:", "training (TrainingArguments' fields):"]
+    assert out.index("--forge_lean_loss") < out.index("--output_dir")
+
+
+@pytest.mark.parametrize("argv", [[], ["--max_steps", "3"]], ids=["nothing", "override_first"])
+def test_train_without_a_recipe_is_a_usage_error(capsys, argv):
+    assert cli.main(["train", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("forge-hf train: error: no recipe given: usage: forge-hf train RECIPE.yaml [--key value "
+                            "...] (`forge-hf train --help` lists every recipe key)\n")
+
+
+@pytest.mark.slow
+def test_python_m_forge_hf_train_without_a_recipe_exits_2_and_help_0():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    bare = subprocess.run([sys.executable, "-m", "forge_hf.train"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert (bare.returncode, bare.stdout) == (2, "")
+    assert bare.stderr.startswith("python -m forge_hf.train: error: no recipe given: usage: python -m "
+                                  "forge_hf.train RECIPE.yaml") and bare.stderr.count("\n") == 1, bare.stderr
+    helped = subprocess.run([sys.executable, "-m", "forge_hf.train", "--help"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert helped.returncode == 0 and "--forge_state_precision" in helped.stdout and "--output_dir" in helped.stdout
 
 
 def test_train_help_explains_the_forge_keys(capsys):

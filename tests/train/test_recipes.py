@@ -144,8 +144,14 @@ def test_impossible_combination(tmp_path, changes, drop, fragments):
 
 def test_duplicate_key_non_mapping_and_empty_file(tmp_path):
     path = write_recipe(tmp_path)
+    lines = path.read_text().splitlines()
+    first = 1 + next(i for i, line in enumerate(lines) if line.startswith("max_steps:"))
     path.write_text(path.read_text() + "max_steps: 3\n")
-    raises(path, "'max_steps' appears twice")
+    message = raises(path, "'max_steps' appears twice")
+    assert message == (f"{path}, line {len(lines) + 1}, column 1: not valid YAML: key 'max_steps' appears twice "
+                       f"(first on line {first}): keep one")  # one line, located in the file
+    path.write_text("max_steps: 3\nforge_include: [q_proj, v_proj\nlearning_rate: 1e-3\n")
+    assert raises(path, "not valid YAML").startswith(f"{path}, line 3, column 14: ")
     path.write_text("- a list\n")
     raises(path, "mapping")
     for empty in ("", "# only a comment\n"):

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from forge_hf.integrations.checkpoints import check_checkpoint
 from forge_hf.train import cli
 from forge_hf.train import run as train
+from forge_hf.train.report import print_summary
 from tests.helpers import ROOT, WORKERS
 
 SMOKE = ROOT / "recipes" / "smoke.yaml"
@@ -103,6 +104,11 @@ def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
     assert "10 after resuming from" in done.stdout
     summary = json.loads((resumed / "forge_summary.json").read_text())
     assert (summary["resumed_from"], summary["steps_this_run"]) == (str(resumed / "checkpoint-10"), 10)
+    # the totals count every step; the rates are over this run's steps and tokens, in its time
+    assert (summary["tokens"], summary["tokens_this_run"]) == (20 * 4 * 128, 10 * 4 * 128)
+    assert summary["tokens_per_second"] == pytest.approx(summary["tokens_this_run"] / summary["train_seconds"])
+    assert summary["steps_per_second"] == pytest.approx(10 / summary["train_seconds"])
+    assert "tokens      10,240, 5,120 after resuming (" in done.stdout
     straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(straight[k], again[k]) for k in straight)  # the same run, bit for bit
 
@@ -138,3 +144,19 @@ def test_console_script_usage(capsys):
     assert "forge-hf train RECIPE.yaml" in capsys.readouterr().out
     assert cli.main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_a_resumed_summary_gives_this_runs_tokens_beside_the_total(capsys):
+    summary = dict(recipe="r.yaml", output_dir="out", resumed_from="out/checkpoint-10", steps=20, steps_this_run=10,
+                   tokens=20 * 512, tokens_this_run=10 * 512, train_seconds=2.0, wall_seconds=3.0,
+                   steps_per_second=5.0, steps_per_second_after_first_step=None, tokens_per_second=2560.0,
+                   tokens_per_second_after_first_step=None, first_loss=4.0, last_loss=3.0, last_eval_loss=None,
+                   host_peak_rss_gib=1.0, forge_bytes_saved_vs_adamw=4096, forge_gradient_bytes_never_allocated=4096,
+                   forge_state_bytes=8192, adamw_state_bytes=8192, files=["forge_summary.json"])
+    print_summary(summary)
+    out = capsys.readouterr().out
+    assert "steps       20, 10 after resuming from out/checkpoint-10 (5.0 steps/s)" in out
+    assert "tokens      10,240, 5,120 after resuming (2,560.0 tokens/s)" in out
+    print_summary({**summary, "resumed_from": None, "steps_this_run": 20, "tokens_this_run": 20 * 512})
+    out = capsys.readouterr().out
+    assert "steps       20 (5.0 steps/s)" in out and "tokens      10,240 (2,560.0 tokens/s)" in out
