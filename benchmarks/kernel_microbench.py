@@ -27,9 +27,10 @@ from functools import partial
 import torch
 import triton
 
+from forge_hf.core.config import STATE_PRECISIONS
 from forge_hf.core.launch_args import next_launch_args
 from forge_hf.core.rules import get_rule, make_group
-from forge_hf.core.state import STATE_PRECISIONS, ForgeState
+from forge_hf.core.state import ForgeState
 from forge_hf.kernels.dispatch import (
     AUTO_MIN_TOKENS,
     TWO_PASS_MARGIN,

@@ -10,8 +10,7 @@ from torch import nn
 from forge_hf import ForgeConfig, ForgeLinear, ForgeOptimizer, patch_model
 from forge_hf.core.config import DEFAULT_MIN_PARAMS, trainer_keys
 from forge_hf.optim.optimizer import fused_layers
-from forge_hf.train.arguments import ForgeArguments
-from forge_hf.train.recipe import OPTIM_ARGS_HELP
+from forge_hf.train.arguments import OPTIM_ARGS_HELP, ForgeArguments
 from tests.helpers import tiny_llama
 
 

@@ -39,7 +39,7 @@ TINY_FINETUNE = dict(
 
 def cpt_state_precision() -> str:
     """8-bit state where forge_hf has it, else bf16."""
-    from forge_hf.core.state import STATE_PRECISIONS
+    from forge_hf.core.config import STATE_PRECISIONS
 
     return "al8" if "al8" in STATE_PRECISIONS else "bf16"
 
