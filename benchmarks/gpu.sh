@@ -9,7 +9,8 @@
 #   tests [ARGS]    the pytest suite on one GPU (ARGS replace "tests"), then with two or more
 #                   GPUs the two-GPU data-parallel test; log in $OUT/gpu_pytest.log. Where one call
 #                   is limited to 10 minutes, two calls by layer: tests/{core,kernels,nn}, then
-#                   tests/{optim,integrations,train,benchmarks,notebooks}
+#                   tests/{optim,integrations,train,benchmarks,notebooks}; PYTEST_SECONDS=N stops
+#                   pytest after N seconds with its summary printed
 #   grid ARGS       run_grid.py             kernel ARGS   kernel_microbench.py
 #   trainer ARGS    trainer_bench.py: the Trainer API's arms side by side
 #   dp ARGS         dp_bench.py on every visible GPU (torch.distributed.run; NPROC to change)
@@ -58,8 +59,10 @@ tests() {
     echo "tests/notebooks left out: nbformat, nbclient or ipykernel is not installed" >> "$OUT/gpu_pytest.log"
   fi
   # the Trainer refuses to run with two GPUs visible: the suite sees one. -v names a failure
-  # when it happens, so a run cut short by a time limit still says which test failed
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 -m pytest -v -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+  # when it happens, so a run cut short by a time limit still says which test failed;
+  # PYTEST_SECONDS interrupts pytest itself after that long, so its summary is still printed
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} ${PYTEST_SECONDS:+timeout -s INT "$PYTEST_SECONDS"} \
+    python3 -m pytest -v -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
     ${skip[@]+"${skip[@]}"} "${@:-tests}" >> "$OUT/gpu_pytest.log" 2>&1
   rc=$?
   if [ $# -eq 0 ] && [ "$(gpus)" -ge 2 ]; then
