@@ -168,6 +168,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # group: another group's ranks hold other replicas). A few launches, not a few per layer.
         whole, bands = [], {}  # bands: id(group) -> (group, stats)
         for layer in self._layers.values():
+            # the step ends here: a gradient of the weight from now on belongs to the next one,
+            # even where the module itself is not called in it (FusedWeightMixin.forge_on_gradient)
+            layer.__dict__["_forge_updates"] = 0
             dp = layer.forge_dp
             if dp is not None:
                 dp.wait()  # after step() every rank holds the whole updated weight

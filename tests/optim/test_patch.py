@@ -343,9 +343,9 @@ class SometimesShared(nn.Module):
         return (self.use(self, x) if self.shared else self.lin(x)).square().mean()
 
 
-# read_only is left out: its module is not called in the shared steps, so nothing marks a
-# new step there, and a gradient after last step's fused step reads as one after this step's
-@pytest.mark.parametrize("use", ["called_twice", "read_after_call", "read_before_call"])
+# read_only: the module is not called in the shared steps; ForgeOptimizer.step() ends the
+# fused step before, so the direct reader's gradient is this step's, not one after a step
+@pytest.mark.parametrize("use", sorted(USES))
 def test_a_fallback_for_one_step_fuses_again_once_its_gradient_is_consumed(use):
     torch.manual_seed(0)
     model = SometimesShared(USES[use])
