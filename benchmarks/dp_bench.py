@@ -267,13 +267,18 @@ def fully_shard_fn():
     return fully_shard
 
 
-def shard(model):
+def shard(opts, model):
     """FSDP2 as the FSDP2 arms use it: one all-gather / reduce-scatter unit per decoder layer,
-    then the root (embeddings, final norm, lm_head, tied or not)."""
+    then the root (embeddings, final norm, lm_head, tied or not), on a mesh of the run's
+    device type (fully_shard's default mesh is on the GPU wherever one is present, also for
+    a --device cpu run on gloo, whose collectives then never complete)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     fully_shard = fully_shard_fn()
+    mesh = init_device_mesh(opts.dev.type, (dist.get_world_size(),))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def make_arm(opts, arm, model):
@@ -295,11 +300,11 @@ def make_arm(opts, arm, model):
     if arm == "ddp_fused_adamw":
         return ddp(opts, model), torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01, fused=fused)
     if arm == "fsdp2_fused_adamw":
-        shard(model)
+        shard(opts, model)
         return model, torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01, fused=fused)
     if arm == "forge_fsdp2":  # forge inside FSDP2 (optim/fsdp.py): the fused layers step their row shards
         patch(opts, model)
-        shard(model)
+        shard(opts, model)
         enable_fsdp(model)
         return model, forge_optimizer(opts, model)
     raise ValueError(f"unknown arm {arm!r}: choose from {ARMS + EXTRA_ARMS}")

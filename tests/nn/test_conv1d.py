@@ -56,7 +56,9 @@ def test_conv1d_trains_as_linear_on_the_transposed_weight(dtype, precision, back
     assert (stored.codes if isinstance(stored, QuantisedSlot) else stored).shape == conv.weight.shape
     for a, b in zip(_logical_slots(conv), _logical_slots(linear)):
         assert torch.equal(a, b)
-    assert torch.equal(conv.forge_stats, linear.forge_stats)
+    # each tile's squared sum is added to the statistics atomically, in the order the GPU runs
+    # the tiles: the totals agree to fp32 round-off, not bit for bit (the states above do)
+    torch.testing.assert_close(conv.forge_stats, linear.forge_stats, rtol=1e-6, atol=0)
     assert conv.forge_state.step == linear.forge_state.step == STEPS
 
 
