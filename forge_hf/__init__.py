@@ -6,8 +6,8 @@ below it: core -> kernels -> nn -> optim -> integrations -> train. See README.md
 
 The public names are imported on first use (PEP 562), so ``import forge_hf`` and the
 ``forge-hf`` command line start without torch. ``optim="forge_<rule>"`` is registered with
-transformers by ``import forge_hf`` when transformers' TrainingArguments is loaded already,
-else by importing ForgeTrainer or by ``forge_hf.register_optimizer_names()``."""
+transformers by ``import forge_hf`` when transformers is imported already, else by importing
+ForgeTrainer or by ``forge_hf.register_optimizer_names()``."""
 
 import importlib
 import sys
@@ -74,11 +74,11 @@ def __dir__() -> list[str]:
 
 
 def _register_if_transformers_loaded() -> None:
-    """``import forge_hf`` after transformers' TrainingArguments: register the forge_<rule>
-    optimizer names now. Otherwise importing ForgeTrainer, the CLI or an explicit
+    """``import forge_hf`` after ``import transformers``: register the forge_<rule> optimizer
+    names now. Otherwise importing ForgeTrainer, the CLI or an explicit
     ``forge_hf.register_optimizer_names()`` does (importing transformers here would cost
     every ``import forge_hf`` seconds)."""
-    if "transformers.training_args" in sys.modules:
+    if "transformers" in sys.modules:
         importlib.import_module(".integrations.training_args", __name__).register_optimizer_names()
 
 

@@ -61,7 +61,7 @@ def add_optimizer_names() -> None:
 def register_optimizer_names() -> None:
     """Make ``TrainingArguments(optim="forge_<rule>")`` valid (also through HfArgumentParser)
     and a plain Trainer refuse those names; idempotent. ``import forge_hf`` calls it when
-    transformers' TrainingArguments is loaded already, and ForgeTrainer and the CLI do."""
+    transformers is imported already, and ForgeTrainer and the CLI do."""
     from transformers import Trainer
 
     add_optimizer_names()

@@ -52,6 +52,12 @@ ORDERS = {
             ["--output_dir", OUT, "--optim", "forge_lion"])
         print("OPTIM", args.optim.value, TrainingArguments(OUT, optim="forge_adamw").optim.value)
     """,
+    "the transformers module first": """
+        import transformers
+        import forge_hf
+        print("OPTIM", transformers.TrainingArguments(OUT, optim="forge_lion").optim.value,
+              transformers.TrainingArguments(OUT, optim="forge_adamw").optim.value)
+    """,
     "transformers first": """
         from transformers import TrainingArguments
         import forge_hf
