@@ -42,7 +42,7 @@ class ForgeConfig:
     """The options of a forge run (the README's options table). Build it with keyword
     arguments (``ForgeConfig(state_precision="bf16", hyperparameters={"lr": 1e-4})``, or
     ``ForgeConfig.from_options(state_precision="bf16", lr=1e-4)``) or from TrainingArguments
-    (``from_training_args``); a bad value raises at once, naming it and the fix."""
+    (integrations/training_args.py); a bad value raises at once, naming it and the fix."""
 
     optimizer: str = _option("adamw", PATCH, "The element-wise rule: " + ", ".join(RULES) + ".",
                              tuple(RULES), trainer_key=False)
@@ -90,9 +90,7 @@ class ForgeConfig:
     def from_options(cls, **options) -> ForgeConfig:
         """A config from keyword arguments: the option names, and the rule's hyperparameters
         (``lr=1e-4, betas=(0.9, 0.95)``) as they are."""
-        names = {f.name for f in fields(cls)} - {"hyperparameters"}
-        hyperparameters = {k: v for k, v in options.items() if k not in names}
-        return cls(**{k: v for k, v in options.items() if k in names}, hyperparameters=hyperparameters)
+        return resolve_config(None, options)
 
     def replace(self, **options) -> ForgeConfig:
         """A copy with ``options`` changed (validated again)."""
@@ -194,13 +192,14 @@ def resolve_config(config: ForgeConfig | None, options: dict) -> ForgeConfig:
     """The config an entry point that takes ``config=`` and keyword options works with:
     ``config`` (default: every option's default) with ``options`` applied, hyperparameters
     merged."""
-    if config is None:
-        return ForgeConfig.from_options(**options)
-    if not isinstance(config, ForgeConfig):
+    if config is not None and not isinstance(config, ForgeConfig):
         raise TypeError(f"config={config!r} is not a ForgeConfig: build one with forge_hf.ForgeConfig(...), "
                         "or pass the options as keyword arguments")
-    if not options:
+    if config is not None and not options:
         return config
     names = {f.name for f in fields(ForgeConfig)} - {"hyperparameters"}
-    hyperparameters = {**config.hyperparameters, **{k: v for k, v in options.items() if k not in names}}
-    return config.replace(**{k: v for k, v in options.items() if k in names}, hyperparameters=hyperparameters)
+    given = {k: v for k, v in options.items() if k in names}
+    hyperparameters = {k: v for k, v in options.items() if k not in names}
+    if config is None:
+        return ForgeConfig(**given, hyperparameters=hyperparameters)
+    return config.replace(**given, hyperparameters={**config.hyperparameters, **hyperparameters})

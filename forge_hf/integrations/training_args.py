@@ -3,7 +3,15 @@ transformers by an ordinary call, and the ForgeConfig those arguments carry."""
 
 from __future__ import annotations
 
-from ..core.config import ForgeConfig, OptionError, OptionTypeError, did_you_mean, option_type, trainer_keys
+from ..core.config import (
+    ForgeConfig,
+    OptionError,
+    OptionTypeError,
+    did_you_mean,
+    option_type,
+    resolve_config,
+    trainer_keys,
+)
 from ..core.rules import RULES, Rule
 
 PREFIX = "forge_"
@@ -96,13 +104,12 @@ def _from_text(key: str, text: str, kind: type):
         raise ValueError(f"optim_args {key}={text!r}: use a{'n' if kind is int else ''} {kind.__name__}") from None
 
 
-def config_from_training_args(args, options: dict | None = None, given_as: str = "forge_{}") -> ForgeConfig:
+def config_from_training_args(args, options: dict | None = None) -> ForgeConfig:
     """The ForgeConfig of a ``forge_<rule>`` TrainingArguments: the rule from ``optim``, the
     hyperparameters from the usual fields (learning_rate, weight_decay, adam_*), the seed,
     and the rest from ``optim_args`` ("state_precision=bf16,momentum=0.9") and ``options``
-    (by name: a recipe's forge_* keys, ``given_as`` "forge_{}", or a ForgeConfig's
-    ``trainer_options()``). A bad or repeated value raises ValueError naming where it was
-    set."""
+    (a recipe's forge_* keys, by option name). A bad or repeated value raises ValueError
+    naming where it was set."""
     name = rule_name(args.optim)
     if name is None:
         raise ValueError(f"optim={getattr(args.optim, 'value', args.optim)!r} is not a forge optimizer: "
@@ -111,12 +118,7 @@ def config_from_training_args(args, options: dict | None = None, given_as: str =
     from_args = _hyperparameters_from_args(rule, args)
     hyperparameters = {k: v for k, (_, v) in from_args.items()}
     options = dict(options or {})
-    where = {k: given_as.format(k) for k in options}  # option -> where it was set, for the errors
-    for key in [k for k in options if k not in keys]:  # the rule's own hyperparameters
-        if key in from_args:
-            raise ValueError(f"{where[key]} sets {key}, which {PREFIX}{name} takes from "
-                             f"TrainingArguments.{from_args[key][0]}: set it there")
-        hyperparameters[key] = options.pop(key)
+    where = {k: f"forge_{k}" for k in options}  # option -> the key that set it, for the errors
     for pair in (args.optim_args or "").replace(" ", "").split(","):
         if not pair:
             continue
@@ -156,10 +158,10 @@ def merged_config(args, given: ForgeConfig) -> ForgeConfig:
     if rule_name(args.optim) != given.optimizer:
         raise ValueError(f"forge_config is for optimizer={given.optimizer!r} but args.optim="
                          f"{getattr(args.optim, 'value', args.optim)!r}: set optim='{PREFIX}{given.optimizer}'")
-    mine, theirs = given.trainer_options(), config_from_training_args(args).trainer_options()
+    base = config_from_training_args(args)
+    mine, theirs = given.trainer_options(), base.trainer_options()
     for key in sorted(mine.keys() & theirs.keys()):
         if mine[key] != theirs[key]:
             raise ValueError(f"forge_config sets {key}={mine[key]!r} but the TrainingArguments give {theirs[key]!r} "
                              "(their own field or optim_args): set it in one place")
-    return config_from_training_args(args, {k: v for k, v in mine.items() if k not in theirs},
-                                     given_as="forge_config.{}")
+    return resolve_config(base, {k: v for k, v in mine.items() if k not in theirs})
