@@ -71,6 +71,13 @@ class ForgeConfig:
     cuda_graph: str = _option(
         "auto", TRAINER, "Capture each training step as a CUDA graph and replay it: auto (where the step can be "
         "captured), true (refuse to train otherwise) or false.", CUDA_GRAPH_MODES)
+    graph_bucket: int = _option(
+        64, TRAINER, "With cuda_graph: each batch's sequence length is padded up to a multiple of this many "
+        "tokens (the padding masked out of the loss), so that batches of nearby lengths replay one graph; 1 "
+        "keeps every length.")
+    max_graphs: int = _option(
+        8, TRAINER, "With cuda_graph: graphs kept at once, one per batch shape, all in one memory pool; a "
+        "batch of a further shape runs eagerly.")
     lean_loss: bool = _option(
         False, TRAINER, "Compute the loss by forge's chunked cross-entropy: the causal-LM loss without an fp32 "
         "copy of the logits and their gradient; not with Liger's fused linear cross-entropy.")
@@ -174,6 +181,9 @@ def _check(config: ForgeConfig, f: dataclasses.Field) -> None:
         if not all(isinstance(p, str) and p for p in patterns):
             raise OptionTypeError(name, f"{name}={value!r}: give module-name patterns as non-empty strings")
         object.__setattr__(config, name, patterns)
+    elif name in ("graph_bucket", "max_graphs"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise OptionError(name, f"{name}={value!r} is not a count: use an integer >= 1")
     elif name in ("min_params", "seed"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             fix = "an integer >= 0 (0 fuses every eligible linear)" if name == "min_params" else "an integer >= 0"

@@ -1,10 +1,13 @@
 """CUDA graphs inside ForgeTrainer: ``optim_args="cuda_graph=auto|true|false"``.
 
-Once three batches in a row have had the same shapes, the training step is captured by
-optim/graphs.GraphedStep and replayed for every later batch of those shapes. ``auto`` (the
-default) captures on a CUDA device where the step can be captured and warns once why not;
-``true`` refuses to train eagerly; ``false`` never captures. Varying shapes release the
-graph for the rest of the run. The design: docs/architecture.md, "CUDA graphs in the
+After the run's first two steps (eager: they compile the kernels and allocate the states),
+each batch is padded up to its bucket (``graph_bucket``: the sequence length rounded up, the
+padding out of the loss; batch_shapes.py) and replayed by the graph of its shapes, captured
+when the shapes are first seen. Up to ``max_graphs`` graphs are kept, all in one memory pool:
+they replay one at a time, so the pool holds the largest step's temporaries, not their sum;
+a batch of a further shape runs eagerly (said once). ``auto`` (the default) captures on a
+CUDA device where the step can be captured and warns once why not; ``true`` refuses to train
+eagerly; ``false`` never captures. The design: docs/architecture.md, "CUDA graphs in the
 Trainer".
 """
 
@@ -18,9 +21,9 @@ import torch
 from torch import nn
 
 from ..optim.graphs import GraphedStep, StaleGraph
+from .batch_shapes import pad_to_bucket
 
-STABLE_STEPS = 3  # batches of one shape in a row before a capture: two eager warm-ups, then capture
-UNSETTLED_STEPS = 8  # steps without STABLE_STEPS batches of one shape in a row: the shapes vary
+EAGER_STEPS = 2  # a run's first steps, eager: the Trainer's own, then a GraphedStep's warm-up
 NUM_ITEMS = "forge_num_items_in_batch"  # Trainer's loss normaliser, carried into the graph as an input
 
 
@@ -66,30 +69,38 @@ def _forward_module(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+def new_pool() -> tuple:
+    """A memory pool for the captured steps of one run."""
+    return torch.cuda.graph_pool_handle()
+
+
 class TrainerGraph:
-    """The graph state of one ForgeTrainer: counts batches of one shape, captures, replays,
-    and gives each step that runs eagerly its reason."""
+    """The graph state of one ForgeTrainer: the captured steps by batch shapes, which it
+    captures, replays, or gives each step that runs eagerly its reason."""
 
     overlap = True  # False: the loss waits for the whole step (what benchmarks compare the overlap with)
 
-    def __init__(self, mode: str):
-        self.mode = mode  # ForgeConfig.cuda_graph
+    def __init__(self, mode: str, graph_bucket: int = 64, max_graphs: int = 8):
+        self.mode = mode  # ForgeConfig.cuda_graph, graph_bucket, max_graphs
+        self.graph_bucket, self.max_graphs = graph_bucket, max_graphs
         self.off: str | None = "cuda_graph=false" if mode == "false" else None  # why no graph, for the run
-        self.step: GraphedStep | None = None
-        self.shapes: tuple | None = None
-        self.same_shapes = 0  # consecutive batches with self.shapes
-        self.waiting = 0  # steps run eagerly while waiting for batches of one shape
-        self.grad_norm: torch.Tensor | None = None  # the captured step's grad-norm output
+        self.steps: dict[tuple, GraphedStep] = {}  # by the shapes of the batches each replays
+        self.grad_norms: dict[tuple, torch.Tensor] = {}  # each captured step's grad-norm output
+        self.eager: dict[tuple, str] = {}  # shapes whose capture failed, and why
+        self.pool = None  # the memory pool every step captures into
+        self.steps_run = 0  # steps seen, eager ones included
         self._launched: GraphedStep | None = None  # the last replay, until joined
         self._warned: set[str] = set()
+
+    @property
+    def captured(self) -> list[GraphedStep]:
+        """The steps captured so far, one per batch shape."""
+        return [step for step in self.steps.values() if step.graph is not None]
 
     # ------------------------------------------------------------------ decisions
 
     def _static_reason(self, trainer, model: nn.Module) -> str | None:
         """Why no step of this run can be captured (checked until the first capture)."""
-        if trainer.args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False):
-            return ("gradient checkpointing recomputes the forward inside backward with host-side RNG "
-                    "bookkeeping a capture cannot hold")
         optimizer = trainer.forge_optimizer
         if optimizer is None:
             return "the optimizer is not a ForgeOptimizer"
@@ -102,7 +113,8 @@ class TrainerGraph:
         if self.mode == "true":
             raise RuntimeError(f"optim_args cuda_graph=true, but the step cannot be captured: {reason}. "
                                "Use cuda_graph=auto (captures where it can) or false")
-        self.off, self.step, self.grad_norm = reason, None, None
+        self.off = reason
+        self.steps, self.grad_norms, self.pool = {}, {}, None
         if warn:
             warnings.warn(f"forge: training steps run eagerly, without a CUDA graph: {reason}", stacklevel=3)
 
@@ -123,9 +135,11 @@ class TrainerGraph:
             self._launched = None
 
     def run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
-        """This training step through the graph (its loss), or None: run it eagerly (after
-        the last replay). The next replay joins the last one itself: until then the new
-        batch's checks and copies run beside the last backward."""
+        """This training step through a graph (its loss), or None: run it eagerly (after
+        the last replay). ``inputs`` is the batch for the model (batch_shapes.take_mask
+        has run). The next replay joins the last one itself: until then the new batch's
+        checks and copies run beside the last backward."""
+        self.steps_run += 1
         loss = self._run(trainer, model, inputs, num_items_in_batch)
         if loss is None:
             self.join()
@@ -138,84 +152,74 @@ class TrainerGraph:
         if device.type != "cuda":  # auto on a CPU: eager is simply the way, nothing to warn about
             self._disable(f"the model is on {device}, and CUDA graphs need a CUDA device", warn=False)
             return None
-        if self.step is None:
+        if not self.captured:
             reason = self._static_reason(trainer, model)
             if reason is not None:
                 self._disable(reason)
                 return None
+        if self.steps_run < EAGER_STEPS:  # the Trainer's own first step
+            return None
         if not model.training:  # a walk over every module: only after an evaluation switched it off
             model.train()
         inputs = trainer._prepare_inputs(inputs)
+        inputs, why_not_padded = pad_to_bucket(inputs, self.graph_bucket)
+        if why_not_padded is not None:
+            self._warn_once(f"a batch kept its length ({why_not_padded}): it is captured at that length")
         if num_items_in_batch is not None:
             inputs = {**inputs, NUM_ITEMS: torch.as_tensor(num_items_in_batch, device=device)}
         shapes = _shapes(inputs)
         if shapes is None:
             self._disable("a batch holds values that are not tensors")
             return None
-        mask = inputs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            # the capture took the unpadded path of the attention: a padded batch would replay it
-            self._warn_once("its attention_mask pads some positions, which a captured step does not see")
+        if shapes in self.eager:
             return None
-        if self.step is not None and shapes != self.shapes:
-            if self.step.graph is not None:
-                return self._mismatch(shapes)
-            self.step = None  # not captured yet: wait for batches of one shape again
-        if self.step is None:
-            self.same_shapes = self.same_shapes + 1 if shapes == self.shapes else 1
-            self.shapes = shapes
-            if self.same_shapes < STABLE_STEPS - 1:
-                self.waiting += 1
-                if self.waiting >= UNSETTLED_STEPS:
-                    self._disable(f"batch shapes vary from step to step ({self._describe(shapes)} in the last): "
-                                  "pack or pad batches to one length to replay a graph")
+        step = self.steps.get(shapes)
+        if step is None:
+            if len(self.steps) >= self.max_graphs:
+                self._warn_once(f"its batch shapes ({self._describe(shapes)}) would be graph {len(self.steps) + 1}, "
+                                f"past max_graphs={self.max_graphs}: raise max_graphs or graph_bucket in optim_args")
                 return None
-            self.step = GraphedStep(_forward_module(model), trainer.forge_optimizer,
-                                    loss_fn=self._loss_fn(trainer, model), warmup_steps=1)
+            if self.pool is None:
+                self.pool = new_pool()
+            warm = bool(self.steps)  # the first step's warm-up has run: later shapes capture at once
+            step = self.steps[shapes] = GraphedStep(_forward_module(model), trainer.forge_optimizer,
+                                                    loss_fn=self._loss_fn(trainer, model),
+                                                    warmup_steps=0 if warm else 1, pool=self.pool)
         try:
-            loss = self._through_graph(trainer, inputs)
+            return self._through_graph(trainer, step, shapes, inputs)
         except StaleGraph:  # a checkpoint was loaded into the optimizer (or the model moved): capture again
-            self.step, self.grad_norm, self.same_shapes = None, None, 1
+            self.steps, self.grad_norms, self.pool = {}, {}, None
             return None
-        if self.step is not None and self.step.graph is not None:
-            self.waiting = 0  # captured: STABLE_STEPS batches of one shape came in a row
-        return loss
-
-    def _mismatch(self, shapes) -> None:
-        """A batch of other shapes after the capture: eager once; twice in a row, release."""
-        if self.same_shapes == 0:
-            self._disable(f"batch shapes vary from step to step ({self._describe(self.shapes)} captured, "
-                          f"then {self._describe(shapes)}): pack or pad batches to one length to replay a graph")
-            return None
-        self.same_shapes = 0
-        self._warn_once(f"its batch has other shapes ({self._describe(shapes)}) than the captured step "
-                        f"({self._describe(self.shapes)})")
-        return None
 
     @staticmethod
     def _describe(shapes) -> str:
         return ", ".join(f"{k} {list(s)}" for k, s, _, _ in shapes)
 
-    def _through_graph(self, trainer, inputs: dict) -> torch.Tensor:
+    def _through_graph(self, trainer, step: GraphedStep, shapes: tuple, inputs: dict) -> torch.Tensor | None:
         optimizer = trainer.forge_optimizer
-        capturing = self.step.graph is None and self.step.calls >= self.step.warmup_steps
+        capturing = step.graph is None and step.calls >= step.warmup_steps
         try:
-            loss = self.step.launch(inputs)
-            self._launched = self.step  # the step to join, even after a stale graph drops it
+            loss = step.launch(inputs)
+            self._launched = step  # the step to join, even after a stale graph drops it
             if not self.overlap:
                 self.join()
         except RuntimeError as e:
-            if not capturing:
+            if not capturing or isinstance(e, StaleGraph):
                 raise
             # something in the step reads the GPU on the host or copies host data to it
             # (a custom compute_loss, eager attention's mask, ...): nothing was executed
-            self._disable(f"capturing it failed ({str(e).splitlines()[0][:300]})")
+            reason = f"capturing it failed ({str(e).splitlines()[0][:300]})"
+            del self.steps[shapes]
+            if not self.captured:
+                self._disable(reason)
+            else:  # other shapes replay: these run eagerly
+                self.eager[shapes] = reason
+                self._warn_once(f"batches of shapes {self._describe(shapes)}: {reason}")
             return None
-        if self.step.graph is not None:
+        if step.graph is not None:
             if capturing:
-                self.grad_norm = optimizer.last_grad_norm
-            optimizer.last_grad_norm = self.grad_norm  # an eager step in between replaced it
-            self.same_shapes = max(self.same_shapes, 1)
+                self.grad_norms[shapes] = optimizer.last_grad_norm
+            optimizer.last_grad_norm = self.grad_norms[shapes]  # another step replaced it
         optimizer.skip_next_step()  # the Trainer's optimizer.step(): already part of this step
         return loss
 

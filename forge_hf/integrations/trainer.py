@@ -27,6 +27,7 @@ from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from ..optim.optimizer import ForgeOptimizer, fused_layers
 from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, FLOAT16, FLOAT16_FIX, PatchReport, patch_model
 from .checkpoints import FORGE_SHARDED_OPTIMIZER, check_checkpoint, latest_checkpoint
+from .batch_shapes import PaddingMaskCheck, causal_reason, take_mask
 from .cuda_graph import TrainerGraph, skip_packing_check
 from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
 from .step_order import StepOrder
@@ -211,7 +212,8 @@ class ForgeTrainerMixin:
                 raise ValueError("optim_args cuda_graph=true is not supported under FSDP2 (its all-gathers and "
                                  "reduce-scatters run outside a captured step): use cuda_graph=auto or false")
             graph_mode = "false"
-        self.forge_graph = TrainerGraph(graph_mode)
+        self.forge_graph = TrainerGraph(graph_mode, *((self.forge_config.graph_bucket, self.forge_config.max_graphs)
+                                                      if self.forge_config else ()))
         self.callback_handler.callbacks.insert(0, StepOrder(self))  # first: before the callbacks it orders
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             warnings.warn(
@@ -383,8 +385,40 @@ class ForgeTrainerMixin:
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
+    # ------------------------------------------------------------- padding masks
+    # The training collator checks each batch's mask on the host (batch_shapes.PaddingMaskCheck);
+    # a mask that marks right padding only is dropped before the model sees it, for a decoder whose
+    # attention is causal and a loss that is the Trainer's own (a subclass's compute_loss, TRL's,
+    # may read the mask). The step then takes attention's unmasked path, eagerly and captured.
+
+    def get_train_dataloader(self):
+        collator = self.data_collator
+        if collator is None or isinstance(collator, PaddingMaskCheck):
+            return super().get_train_dataloader()
+        self.data_collator = PaddingMaskCheck(collator)
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = collator
+
+    def _forge_model_inputs(self, inputs: dict) -> dict:
+        """The batch without the collator's mark, and without a mask that only marks right
+        padding where the model and the loss allow it."""
+        batch, _ = take_mask(inputs)
+        if "attention_mask" in inputs and "attention_mask" not in batch and not self._forge_may_drop_mask():
+            batch["attention_mask"] = inputs["attention_mask"]
+        return batch
+
+    def _forge_may_drop_mask(self) -> bool:
+        known = self.__dict__.get("_forge_mask_droppable")
+        if known is None or known[0] is not self.model:
+            own_loss = next(c for c in type(self).__mro__ if "compute_loss" in c.__dict__) is Trainer
+            known = self._forge_mask_droppable = (self.model, own_loss and causal_reason(self.model) is None)
+        return known[1]
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._forge_keep_logits()
+        inputs = self._forge_model_inputs(inputs)
         loss = self.forge_graph.run(self, model, inputs, num_items_in_batch)
         if loss is not None:
             return loss

@@ -127,16 +127,20 @@ class GraphedStep:
         model: the patched model (not a DDP wrapper), on a CUDA device, in train mode.
         optimizer: its ForgeOptimizer.
         loss_fn: ``loss_fn(model, batch)`` returns the step's loss (default: causal_lm_loss).
-        warmup_steps: eager steps before the capture, at least 1 (default 2).
+        warmup_steps: eager steps before the capture (default 2); 0 where another step of this
+            model and optimizer has warmed up already (its kernels compiled, its states allocated).
+        pool: a memory pool (``torch.cuda.graph_pool_handle()``) shared with the steps of the
+            model's other batch shapes; None: the step's own.
     """
 
     def __init__(self, model: nn.Module, optimizer: ForgeOptimizer,
-                 loss_fn: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss, warmup_steps: int = 2):
+                 loss_fn: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss, warmup_steps: int = 2,
+                 pool: tuple | None = None):
         if not isinstance(optimizer, ForgeOptimizer):
             raise TypeError(f"GraphedStep needs the model's ForgeOptimizer, got {type(optimizer).__name__}")
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps={warmup_steps}: at least one eager step must compile the kernels "
-                             "and allocate the states before a capture")
+        if warmup_steps < 0 or (warmup_steps == 0 and not any(s.allocated for s in optimizer.state.values())):
+            raise ValueError(f"warmup_steps={warmup_steps}: an eager step of this model and optimizer must compile "
+                             "the kernels and allocate the states before a capture: give warmup_steps >= 1")
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise TypeError("GraphedStep takes the model DDP wraps, not the DDP wrapper: DDP's gradient reducer "
                             "is not captured; the graphed step averages the non-fused gradients itself")
@@ -158,6 +162,7 @@ class GraphedStep:
         if self.data_parallel:
             broadcast_parameters(model, self.dp_group)
         self.warmup_steps = int(warmup_steps)
+        self.pool = pool
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.table: ArgsTable | None = None
@@ -250,7 +255,10 @@ class GraphedStep:
         with contextlib.ExitStack() as frozen:
             for counts in self.token_counts:
                 frozen.enter_context(counts.frozen())
-            with table.recording(), torch.cuda.graph(graph, capture_error_mode=mode):
+            with table.recording(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
                 self.loss = self._step(self.inputs)
+        if self.pool is not None:
+            # the gradients the graph writes, in the shared pool: the next step's capture may reuse them
+            self.optimizer.zero_grad(set_to_none=True)
         self.graph, self.table = graph, table
         self.addresses = CapturedAddresses(self.model, self.optimizer)

@@ -43,15 +43,18 @@ def test_auto_on_a_cpu_trains_eagerly_without_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="forge:")
         trainer.train()
-    assert trainer.forge_graph.step is None and "cpu" in trainer.forge_graph.off
+    assert trainer.forge_graph.steps == {} and "cpu" in trainer.forge_graph.off
 
 
 class _StandInStep:
     """GraphedStep's counting without a GPU: warm-up calls, then the call that captures;
-    ``stale``: the replays refuse, as after a checkpoint was loaded."""
+    ``stale``: the replays refuse, as after a checkpoint was loaded; ``fails``: the capture
+    raises, as a step that reads the GPU on the host."""
 
-    def __init__(self, model, optimizer, loss_fn, warmup_steps):
-        self.model, self.optimizer, self.warmup_steps = model, optimizer, warmup_steps
+    fails = False
+
+    def __init__(self, model, optimizer, loss_fn, warmup_steps, pool):
+        self.model, self.optimizer, self.warmup_steps, self.pool = model, optimizer, warmup_steps, pool
         self.graph, self.calls, self.stale, self.pending = None, 0, False, False
 
     def join(self):
@@ -64,62 +67,71 @@ class _StandInStep:
             raise StaleGraph("replaced since the capture")  # before joining, as GraphedStep's check
         self.launched_pending = self.pending  # a replay joins the last one itself
         self.pending = False
-        loss = self._launch()
+        loss = self._launch(inputs)
         self.pending = self.graph is not None
         return loss
 
-    def _launch(self):
+    def _launch(self, inputs):
         if self.calls >= self.warmup_steps:
+            if self.fails:
+                raise RuntimeError("operation not permitted when stream is capturing")
             self.graph = "captured"
+            self.length = inputs["input_ids"].shape[1]
         self.calls += 1
         return torch.zeros(())
 
 
-def _stand_in_graph(monkeypatch):
-    """TrainerGraph('auto') with GraphedStep stood in for and the model taken to be on a GPU,
-    and a function running one step on a batch of a given length (its loss, or None: eager)."""
+def _stand_in_graph(monkeypatch, **options):
+    """TrainerGraph('auto', **options) with GraphedStep stood in for and the model taken to be
+    on a GPU, and a function running one step on a batch of a given length and rows (its loss,
+    or None: eager)."""
     from forge_hf.integrations import cuda_graph
 
     monkeypatch.setattr(cuda_graph, "GraphedStep", _StandInStep)
+    monkeypatch.setattr(cuda_graph, "new_pool", lambda: ("pool",))
     on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
     model = types.SimpleNamespace(parameters=lambda: iter([on_gpu]), training=True, trained=0)
     model.train = lambda: setattr(model, "training", True) or setattr(model, "trained", model.trained + 1)
     optimizer = types.SimpleNamespace(last_grad_norm=None, skip_next_step=lambda: None)
     trainer = types.SimpleNamespace(forge_optimizer=optimizer, _prepare_inputs=lambda inputs: inputs)
-    graph = cuda_graph.TrainerGraph("auto")
+    graph = cuda_graph.TrainerGraph("auto", **options)
     monkeypatch.setattr(graph, "_static_reason", lambda trainer, model: None)
     graph.model = model
-    return graph, lambda n: graph.run(trainer, model, {"input_ids": torch.zeros(1, n, dtype=torch.long)}, None)
+
+    def run(n, rows=1):
+        ids = torch.zeros(rows, n, dtype=torch.long)
+        return graph.run(trainer, model, {"input_ids": ids, "labels": ids}, None)
+    return graph, run
 
 
-def _drive_graph(lengths, monkeypatch):
-    """The graph state and the warnings after batches of these lengths."""
-    graph, run = _stand_in_graph(monkeypatch)
+def _drive_graph(lengths, monkeypatch, **options):
+    """The graph state, the steps run eagerly (their indices) and the warnings after batches of
+    these lengths."""
+    graph, run = _stand_in_graph(monkeypatch, **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for n in lengths:
-            run(n)
-    return graph, [str(w.message) for w in caught]
+        eager = [i for i, n in enumerate(lengths) if run(n) is None]
+    return graph, eager, [str(w.message) for w in caught]
 
 
 def test_every_step_follows_the_last_replay(monkeypatch):
     """A replay lets the loss out before its backward is done. The next replay joins it
     itself, so the Trainer's checks of the new batch run beside that backward; a step run
-    eagerly instead (a batch of other shapes, a stale graph) is ordered after it first."""
-    graph, run = _stand_in_graph(monkeypatch)
+    eagerly instead (a shape past max_graphs, a stale graph) is ordered after it first."""
+    graph, run = _stand_in_graph(monkeypatch, graph_bucket=1, max_graphs=1)
     for n in (7, 7, 7, 7):
         run(n)
-    step = graph.step
+    (step,) = graph.steps.values()
     assert step.pending and step.launched_pending  # not joined before the replay's own launch
-    assert run(5) is None and not step.pending  # eager: joined first
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert run(5) is None and not step.pending  # eager: joined first
     for n in (7, 7):
         run(n)
     assert step.pending
     step.stale = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert run(7) is None  # refused as stale: the dropped step is joined all the same
-    assert not step.pending and graph.step is None
+    assert run(7) is None  # refused as stale: the dropped step is joined all the same
+    assert not step.pending and graph.steps == {}
 
 
 def test_a_model_already_training_is_not_switched_again(monkeypatch):
@@ -135,28 +147,59 @@ def test_a_model_already_training_is_not_switched_again(monkeypatch):
 
 def test_a_replay_refused_as_stale_is_captured_again(monkeypatch):
     """After a checkpoint is loaded the replay refuses before it runs: that step runs
-    eagerly, and the next batches of the shape warm up and capture a new step."""
+    eagerly, and the next batches warm up and capture a new step."""
     graph, run = _stand_in_graph(monkeypatch)
     assert [run(7) is None for _ in range(3)] == [True, False, False]  # eager, a warm-up through the step, capture
-    first = graph.step
+    (first,) = graph.steps.values()
     first.stale = True
-    assert run(7) is None and graph.step is None and graph.off is None
+    assert run(7) is None and graph.steps == {} and graph.off is None
     assert [run(7) is None for _ in range(2)] == [False, False]  # a warm-up through the new step, then its capture
-    assert graph.step is not first and graph.step.graph == "captured"
+    (again,) = graph.steps.values()
+    assert again is not first and again.graph == "captured"
 
 
-def test_batches_of_one_shape_three_in_a_row_are_captured(monkeypatch):
-    graph, messages = _drive_graph([5, 6, 7, 7, 7, 7], monkeypatch)
-    assert graph.off is None and graph.step.graph == "captured" and graph.waiting == 0
-    assert messages == []
+def test_batches_of_nearby_lengths_replay_one_graph_and_new_buckets_capture_at_once(monkeypatch):
+    """Lengths rounded up to multiples of graph_bucket: 5 to 64 tokens one graph, 65 to 128
+    another; after the run's first two steps (eager, then the first step's warm-up) a new
+    bucket is captured at its first batch, into the pool of the others."""
+    graph, eager, messages = _drive_graph([5, 6, 70, 7, 100, 64, 128, 33], monkeypatch)
+    assert graph.off is None and eager == [0] and messages == []
+    assert sorted(s.length for s in graph.captured) == [64, 128]
+    assert {s.pool for s in graph.steps.values()} == {("pool",)}
+    assert [s.warmup_steps for s in graph.steps.values()] == [1, 0]
 
 
-def test_shapes_that_pair_up_but_never_settle_release_the_graph(monkeypatch):
-    """Two batches of one shape warm a step up, the third would capture it: shapes that come
-    in pairs never settle, and after UNSETTLED_STEPS eager steps the run goes on without a graph."""
-    graph, messages = _drive_graph([5, 5, 6, 6, 7, 7, 8, 8] * 2, monkeypatch)
-    assert graph.off is not None and "vary" in graph.off and graph.step is None
-    assert sum("without a CUDA graph" in m for m in messages) == 1
+def test_shapes_past_max_graphs_run_eagerly_with_one_warning(monkeypatch):
+    graph, eager, messages = _drive_graph([5, 6, 7, 8, 9, 8, 9, 6], monkeypatch, graph_bucket=1, max_graphs=2)
+    assert graph.off is None and len(graph.captured) == 2
+    assert eager == [0, 3, 4, 5, 6]  # the first step; 8 and 9 would be the third and fourth graphs
+    assert sum("past max_graphs=2" in m for m in messages) == 2  # once per shape: each names its own
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly_while_the_others_replay(monkeypatch):
+    graph, run = _stand_in_graph(monkeypatch, graph_bucket=1)
+    for n in (7, 7, 7):
+        run(n)
+    _StandInStep.fails = True
+    try:
+        with pytest.warns(UserWarning, match="capturing it failed"):
+            assert run(9) is None
+    finally:
+        _StandInStep.fails = False
+    assert run(9) is None and run(7) is not None and graph.off is None and len(graph.captured) == 1
+
+
+def test_a_first_capture_that_fails_ends_the_graphs_for_the_run(monkeypatch):
+    graph, run = _stand_in_graph(monkeypatch)
+    _StandInStep.fails = True
+    try:
+        run(7)
+        run(7)
+        with pytest.warns(UserWarning, match="without a CUDA graph: capturing it failed"):
+            assert run(7) is None
+    finally:
+        _StandInStep.fails = False
+    assert graph.off is not None and run(7) is None and graph.steps == {}
 
 
 def test_a_step_taken_by_the_graph_is_not_taken_again():
@@ -225,8 +268,8 @@ def test_graphed_trainer_follows_the_eager_one_with_eval_and_schedule(tmp_path):
     common = dict(eval_strategy="steps", eval_steps=4)
     graphed = train(tmp_path / "g", "auto", **common)
     eager = train(tmp_path / "e", "false", **common)
-    assert graphed.forge_graph.step is not None and graphed.forge_graph.step.graph is not None
-    assert graphed.forge_graph.step.calls == 10 - 1  # the first step eager through the Trainer
+    assert len(graphed.forge_graph.captured) == 1
+    assert graphed.forge_graph.captured[0].calls == 10 - 1  # the first step eager through the Trainer
     assert any("eval_loss" in log for log in graphed.state.log_history)
     assert_trains_alike(graphed, eager, start)
 
@@ -255,7 +298,7 @@ def test_callbacks_see_each_step_finished(tmp_path):
     graphed_seen, eager_seen = WeightSnapshots(), WeightSnapshots()
     graphed = train(tmp_path / "g", "true", callbacks=[graphed_seen])
     train(tmp_path / "e", "false", callbacks=[eager_seen])
-    assert graphed.forge_graph.step.graph is not None and len(graphed_seen.taken) == 10
+    assert len(graphed.forge_graph.captured) == 1 and len(graphed_seen.taken) == 10
     for step, (seen, reference) in enumerate(zip(graphed_seen.taken, eager_seen.taken)):
         for (name, _), a, b, a0 in zip(graphed.model.named_parameters(), reference, seen, start):
             moved = (a.float() - a0.float()).norm()
@@ -266,7 +309,7 @@ def test_callbacks_see_each_step_finished(tmp_path):
 @pytest.mark.gpu
 def test_graph_required_trains_through_the_graph(tmp_path):
     trainer = train(tmp_path, "true")
-    assert trainer.forge_graph.step.graph is not None
+    assert len(trainer.forge_graph.captured) == 1
 
 
 @pytest.mark.gpu
@@ -278,56 +321,112 @@ def test_resume_captures_again_and_continues_like_a_straight_run(tmp_path):
     resumed = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset())
     with sdpa_kernel(SDPBackend.MATH):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
-    assert resumed.forge_graph.step is not None and resumed.forge_graph.step.graph is not None
+    assert len(resumed.forge_graph.captured) == 1
     assert_parameters_follow(resumed.model, straight.model, start)
 
 
 @pytest.mark.gpu
-def test_a_short_last_batch_runs_eagerly_and_the_graph_stays(tmp_path):
+def test_a_short_last_batch_is_a_graph_of_its_own(tmp_path):
     data = dataset(2 * 6 + 1)  # six full batches of two, then one of one
     args = cuda_args(tmp_path, optim_args="state_precision=bf16,min_params=0", max_steps=-1, num_train_epochs=2)
     trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=data)
-    with pytest.warns(UserWarning, match="other shapes"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="forge:")
         trainer.train()
-    assert trainer.forge_graph.off is None and trainer.forge_graph.step.graph is not None
+    assert trainer.forge_graph.off is None and len(trainer.forge_graph.captured) == 2
     assert all(torch.isfinite(torch.tensor(log["loss"])) for log in step_logs(trainer))
 
 
-@pytest.mark.gpu
-def test_a_padding_collator_releases_the_graph_with_one_warning(tmp_path):
-    lengths = [SEQ, SEQ - 3, SEQ - 5, SEQ - 1] * 4
+def padded_rows(lengths, labels_on_padding=False, left=False):
+    """Rows of these lengths and a collator padding each batch to its longest row, with an
+    attention mask and labels -100 under the padding (``labels_on_padding``: the padding's own
+    ids; ``left``: padding before the tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=gen)} for n in lengths]
 
-    def collate(rows):  # pads to the longest row of the batch: shapes vary
+    def collate(rows):
         longest = max(len(r["input_ids"]) for r in rows)
         ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):
-            ids[i, : len(r["input_ids"])] = r["input_ids"]
-        return {"input_ids": ids, "labels": ids.clone()}
+            n = len(r["input_ids"])
+            where = slice(longest - n, longest) if left else slice(0, n)
+            ids[i, where], mask[i, where] = r["input_ids"], 1
+        labels = ids.clone() if labels_on_padding else ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
-    gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen)} for n in lengths]
-    # in this order (no shuffling) no two batches in a row have one shape
-    args = cuda_args(tmp_path, optim_args="state_precision=bf16,min_params=0", max_steps=-1, num_train_epochs=1,
-                     per_device_train_batch_size=1, train_sampling_strategy="sequential")
-    trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=data, data_collator=collate)
-    with warnings.catch_warnings(record=True) as caught:
+    return data, collate
+
+
+class MaskKept(ForgeTrainer):
+    """ForgeTrainer that gives the model every mask: the reference for the dropped ones."""
+
+    def _forge_may_drop_mask(self):
+        return False
+
+
+def train_padded(out, mode, lengths, trainer_cls=ForgeTrainer, **collate_options):
+    data, collate = padded_rows(lengths, **collate_options)
+    args = cuda_args(out, optim_args=f"state_precision=bf16,min_params=0,cuda_graph={mode}", max_steps=-1,
+                     num_train_epochs=1, per_device_train_batch_size=2, train_sampling_strategy="sequential")
+    trainer = trainer_cls(model=cuda_llama(), args=args, train_dataset=data, data_collator=collate)
+    with sdpa_kernel(SDPBackend.MATH), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
-    assert trainer.forge_graph.off is not None and "vary" in trainer.forge_graph.off
-    assert sum("without a CUDA graph" in str(w.message) for w in caught) == 1
-    assert len(step_logs(trainer)) == len(lengths)
+    trainer.forge_messages = [str(w.message) for w in caught if "forge:" in str(w.message)]
+    return trainer
 
 
-def test_gradient_checkpointing_is_a_reason_and_torch_compile_is_not():
+LENGTHS = [SEQ, SEQ - 3, SEQ - 5, SEQ - 1, 9, 3, SEQ - 7, SEQ - 2] * 2 + [40, 33, 70, 12]
+
+
+@pytest.mark.gpu
+def test_right_padded_batches_replay_bucketed_graphs_and_train_as_the_masked_eager_run(tmp_path):
+    """Batches padded to their longest row, mask dropped and padded on to a bucket of 64
+    tokens: one graph for the rows up to 64, one past it; the run follows the eager one that
+    keeps every mask."""
+    start = [p.detach().clone() for p in cuda_llama().parameters()]
+    graphed = train_padded(tmp_path / "g", "true", LENGTHS)
+    eager = train_padded(tmp_path / "e", "false", LENGTHS, trainer_cls=MaskKept)
+    assert graphed.forge_messages == []
+    assert sorted(s.inputs["input_ids"].shape[1] for s in graphed.forge_graph.captured) == [64, 128]
+    assert all("attention_mask" not in s.inputs for s in graphed.forge_graph.captured)
+    assert_trains_alike(graphed, eager, start)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["left", "labels_on_padding"])
+def test_masks_that_must_stay_are_captured_with_them(tmp_path, case):
+    start = [p.detach().clone() for p in cuda_llama().parameters()]
+    options = {case: True}
+    graphed = train_padded(tmp_path / "g", "auto", LENGTHS, **options)
+    eager = train_padded(tmp_path / "e", "false", LENGTHS, trainer_cls=MaskKept, **options)
+    assert graphed.forge_graph.off is None and graphed.forge_graph.captured
+    assert all("attention_mask" in s.inputs for s in graphed.forge_graph.captured)
+    assert_trains_alike(graphed, eager, start)
+
+
+@pytest.mark.gpu
+def test_gradient_checkpointing_is_captured_and_follows_the_eager_run(tmp_path):
+    start = [p.detach().clone() for p in cuda_llama().parameters()]
+    graphed = train(tmp_path / "g", "true", gradient_checkpointing=True)
+    eager = train(tmp_path / "e", "false", gradient_checkpointing=True)
+    assert len(graphed.forge_graph.captured) == 1
+    assert_trains_alike(graphed, eager, start)
+
+
+def test_static_reasons():
+    """Gradient checkpointing and torch_compile are captured; stop_on_nonfinite reads the host."""
     from forge_hf.integrations.cuda_graph import TrainerGraph
 
-    args = types.SimpleNamespace(torch_compile=True, gradient_checkpointing=False)
-    trainer = types.SimpleNamespace(args=args, forge_optimizer=types.SimpleNamespace(stop_on_nonfinite=False))
+    args = types.SimpleNamespace(torch_compile=True, gradient_checkpointing=True)
+    optimizer = types.SimpleNamespace(stop_on_nonfinite=False)
+    trainer = types.SimpleNamespace(args=args, forge_optimizer=optimizer)
     assert TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2)) is None
-    args.gradient_checkpointing = True
+    optimizer.stop_on_nonfinite = True
     reason = TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2))
-    assert reason.startswith("gradient checkpointing")
-    with pytest.raises(RuntimeError, match="cuda_graph=true, but the step cannot be captured: gradient checkpointing"):
+    assert reason.startswith("stop_on_nonfinite")
+    with pytest.raises(RuntimeError, match="cuda_graph=true, but the step cannot be captured: stop_on_nonfinite"):
         TrainerGraph("true")._disable(reason)
 
 
@@ -339,5 +438,5 @@ def test_a_compiled_step_is_captured_and_follows_the_compiled_eager_one(tmp_path
     graphed = train(tmp_path / "g", "true", torch_compile=True)
     torch._dynamo.reset()
     eager = train(tmp_path / "e", "false", torch_compile=True)
-    assert graphed.forge_graph.step.graph is not None and graphed.forge_graph.step.calls == 10 - 1
+    assert len(graphed.forge_graph.captured) == 1 and graphed.forge_graph.captured[0].calls == 10 - 1
     assert_trains_alike(graphed, eager, start)
