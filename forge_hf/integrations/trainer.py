@@ -26,8 +26,8 @@ from ..optim.distributed import enable_data_parallel
 from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from ..optim.optimizer import ForgeOptimizer, fused_layers
 from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, FLOAT16, FLOAT16_FIX, PatchReport, patch_model
-from .checkpoints import FORGE_SHARDED_OPTIMIZER, check_checkpoint, latest_checkpoint
 from .batch_shapes import PaddingMaskCheck, causal_reason, take_mask
+from .checkpoints import FORGE_SHARDED_OPTIMIZER, check_checkpoint, latest_checkpoint
 from .cuda_graph import TrainerGraph, skip_packing_check
 from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
 from .step_order import StepOrder
