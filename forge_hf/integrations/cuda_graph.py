@@ -179,17 +179,21 @@ class TrainerGraph:
                 self._warn_once(f"its batch shapes ({self._describe(shapes)}) would be graph {len(self.steps) + 1}, "
                                 f"past max_graphs={self.max_graphs}: raise max_graphs or graph_bucket in optim_args")
                 return None
-            if self.pool is None:
-                self.pool = new_pool()
-            warm = bool(self.steps)  # the first step's warm-up has run: later shapes capture at once
-            step = self.steps[shapes] = GraphedStep(_forward_module(model), trainer.forge_optimizer,
-                                                    loss_fn=self._loss_fn(trainer, model),
-                                                    warmup_steps=0 if warm else 1, pool=self.pool)
+            # the first step's warm-up has run: later shapes capture at their first batch
+            step = self._new_step(trainer, model, shapes, warmup_steps=1 if not self.steps else 0)
         try:
             return self._through_graph(trainer, step, shapes, inputs)
         except StaleGraph:  # a checkpoint was loaded into the optimizer (or the model moved): capture again
             self.steps, self.grad_norms, self.pool = {}, {}, None
             return None
+
+    def _new_step(self, trainer, model: nn.Module, shapes: tuple, warmup_steps: int) -> GraphedStep:
+        if self.pool is None:
+            self.pool = new_pool()
+        step = self.steps[shapes] = GraphedStep(_forward_module(model), trainer.forge_optimizer,
+                                                loss_fn=self._loss_fn(trainer, model), warmup_steps=warmup_steps,
+                                                pool=self.pool)
+        return step
 
     @staticmethod
     def _describe(shapes) -> str:
@@ -208,6 +212,11 @@ class TrainerGraph:
                 raise
             # something in the step reads the GPU on the host or copies host data to it
             # (a custom compute_loss, eager attention's mask, ...): nothing was executed
+            if step.warmup_steps == 0:
+                # captured at its first batch, it needed what only an eager step of these shapes makes
+                # (a kernel variant for its token count): this batch warms it up, the next one captures
+                step = self._new_step(trainer, step.model, shapes, warmup_steps=1)
+                return self._through_graph(trainer, step, shapes, inputs)
             reason = f"capturing it failed ({str(e).splitlines()[0][:300]})"
             del self.steps[shapes]
             if not self.captured:

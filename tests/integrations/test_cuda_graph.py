@@ -176,12 +176,17 @@ def test_shapes_past_max_graphs_run_eagerly_with_one_warning(monkeypatch):
     assert sum("past max_graphs=2" in m for m in messages) == 2  # once per shape: each names its own
 
 
-def test_a_shape_whose_capture_fails_runs_eagerly_while_the_others_replay(monkeypatch):
+def test_a_shape_whose_capture_fails_warms_up_then_runs_eagerly_while_the_others_replay(monkeypatch):
+    """A new shape's capture at its first batch fails: that batch warms a step of the shape up
+    (a kernel variant for its token count may have been missing); if its capture fails again,
+    batches of that shape run eagerly and the other shapes keep replaying."""
     graph, run = _stand_in_graph(monkeypatch, graph_bucket=1)
     for n in (7, 7, 7):
         run(n)
     _StandInStep.fails = True
     try:
+        assert run(9) is not None  # the warm-up, through a new step of the shape
+        assert graph.steps[max(graph.steps)].warmup_steps == 1
         with pytest.warns(UserWarning, match="capturing it failed"):
             assert run(9) is None
     finally:

@@ -24,6 +24,9 @@ TILES = 16  # tiles a program
 FIELDS = 8  # int64 words a tensor's row: weight, gradient, three slots, arguments, length, unused
 LENGTH = 6
 MAX_ELEMENTS = 1 << 20  # larger tensors (an embedding) keep a launch of their own
+# Tables an eager launch sets aside for the captures after it: ForgeTrainer captures a step per
+# batch shape (its max_graphs), each with a table of its own, with no eager step between them
+SPARE_TABLES = 32
 
 
 @triton.jit
@@ -117,9 +120,9 @@ class MultiTensorRulePass:
     step that holds those gradients. The table goes to the device through a PinnedRing.
 
     A CUDA graph captures the table's copy from pinned memory, which each replay reads again:
-    a capture takes a pinned buffer and device table of its own (made at an eager launch, since
-    a capture cannot allocate pinned memory safely), kept as long as this object. Its work list
-    and compiled kernel come from an eager launch of the same tensors too."""
+    a capture takes a pinned buffer and device table of its own (one of SPARE_TABLES made at an
+    eager launch, since a capture cannot allocate pinned memory safely), kept as long as this
+    object. Its work list and compiled kernel come from an eager launch of the same tensors too."""
 
     def __init__(self, kind: tuple, rule_name: str, stochastic: bool):
         self.device, w_kind, g_bf16, kinds = kind
@@ -134,7 +137,8 @@ class MultiTensorRulePass:
         self._ring = None
         self._again = None
         self._streams = StreamOrder(self.device) if self._cuda else None
-        self._spare = None  # (pinned rows, device table) for the next capture
+        self._spare = None  # (pinned rows, device tables), SPARE_TABLES of each, for the next captures
+        self._spare_used = 0
         self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []  # what captured graphs copy and read
 
     def add(self, weight, grad, slots, args) -> None:
@@ -155,9 +159,12 @@ class MultiTensorRulePass:
             if self._cuda:
                 self._streams.follow()
             table = self._table_for(rows)
-            if self._cuda and (self._spare is None or self._spare[0].shape[0] < len(rows)):
-                self._spare = (torch.zeros(len(rows), FIELDS, dtype=torch.int64, pin_memory=True),
-                               torch.zeros(len(rows), FIELDS, dtype=torch.int64, device=self.device))
+            if self._cuda and (self._spare is None or self._spare_used == SPARE_TABLES
+                               or self._spare[0].shape[1] < len(rows)):
+                shape = (SPARE_TABLES, len(rows), FIELDS)
+                self._spare = (torch.zeros(shape, dtype=torch.int64, pin_memory=True),
+                               torch.zeros(shape, dtype=torch.int64, device=self.device))
+                self._spare_used = 0
         grid = (work.shape[0],)
         positional = [table, work, stats]
         if INTERPRETER or not self._cuda:
@@ -170,13 +177,15 @@ class MultiTensorRulePass:
 
     def _captured_table(self, rows: list, work) -> torch.Tensor:
         """The table of a step being captured: the spare buffers, the graph's from now on."""
-        if work is None or self._again is None or self._spare is None or self._spare[0].shape[0] < len(rows):
+        if work is None or self._again is None or self._spare is None or self._spare_used == SPARE_TABLES \
+                or self._spare[0].shape[1] < len(rows):
             raise RuntimeError(
                 f"the one launch of {len(rows)} small tensors' rule steps is first needed while a CUDA graph is "
-                "captured, where its table and kernel cannot be made: run an eager step with the same model and "
-                "optimizer before capturing (GraphedStep's warmup_steps)")
-        host, table = self._spare
-        self._spare = None
+                f"captured (or after {SPARE_TABLES} captures since the last eager step), where its table and kernel "
+                "cannot be made: run an eager step with the same model and optimizer before capturing "
+                "(GraphedStep's warmup_steps)")
+        host, table = self._spare[0][self._spare_used], self._spare[1][self._spare_used]
+        self._spare_used += 1
         self._captured.append((host, table))
         host.numpy()[:len(rows)] = np.asarray(rows, dtype=np.int64)
         table = table[:len(rows)]
