@@ -13,7 +13,9 @@ Arms (any subset, in the order given):
                        is nothing to shard. Trainer's bf16 flag off (accelerate would upcast
                        bf16 weights to fp32 under mixed precision): compare with --bf16 off
 
-Every arm: bf16 weights, SDPA attention, packed batches of random tokens, max_grad_norm=0
+Every arm: bf16 weights, SDPA attention, packed batches of random tokens (or rows of varying
+lengths, padded or flattened: ``Cell``; their rows give the mean step, real tokens a second and
+the share of padding), max_grad_norm=0
 (forge cannot clip; the fused-AdamW arms do not clip either, their fastest setting), a
 callback that synchronises and times each step; the median over the steps after the warm-up,
 with the interquartile range, and the arm's peak allocated memory (statistics reset, caches
@@ -25,6 +27,7 @@ table (results_table.py) as the arm ends.
     python benchmarks/trainer_bench.py --models llama-3.1-8b --batches 1x512 --arms adamw_fused,forge
     python benchmarks/trainer_bench.py --arms forge_compile --forge-options recompute_swiglu=true
     python benchmarks/trainer_bench.py --arms adamw_fused,forge_eager --rounds 3 --step-sync off
+    python benchmarks/trainer_bench.py --batches 4x128-512 --arms adamw_fused,forge_eager,forge   # SFT-like rows
 
 --forge-options adds forge options (optim_args syntax) to every forge arm; --liger on gives every arm
 the recipes' Liger kernels (ForgeTrainer refuses them with torch_compile). The row's arm names both
@@ -153,6 +156,67 @@ def kernel_table(profile, steps: int, top: int = 40) -> list[dict]:
             *rows[:top]]
 
 
+class Cell:
+    """A BATCHxLENGTH cell (packed rows of one length) or BATCHxMIN-MAX (rows of lengths drawn
+    uniformly from MIN to MAX, collated by ``collator``: ``pad`` to each batch's longest row
+    with an attention mask and labels -100 under the padding, as a padding collator does; ``flat``
+    into one row with position_ids restarting at each example, as transformers'
+    DataCollatorWithFlattening and TRL's padding_free do)."""
+
+    def __init__(self, text: str, collator: str = "pad"):
+        batch, _, lengths = text.partition("x")
+        low, _, high = lengths.partition("-")
+        self.batch, self.low, self.high = int(batch), int(low), int(high or low)
+        self.varies = self.low != self.high
+        self.collator = collator if self.varies else None
+        self.label = text + ("/flat" if self.collator == "flat" else "")
+        self.real_tokens: list[int] = []  # each collated batch's real (label-bearing) tokens
+        self.widths: list[int] = []  # each padded batch's longest row
+
+    def dataset(self, n: int, vocab: int):
+        if not self.varies:
+            return RandomTokens(n, self.high, vocab)
+        return VaryingTokens(n, self.low, self.high, vocab)
+
+    def collate(self, rows: list[dict]) -> dict:
+        self.real_tokens.append(sum(len(r["input_ids"]) for r in rows))
+        if self.collator == "flat":
+            from transformers import DataCollatorWithFlattening
+
+            return DataCollatorWithFlattening(return_tensors="pt")(rows)
+        longest = max(len(r["input_ids"]) for r in rows)
+        self.widths.append(longest)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, :len(r["input_ids"])], mask[i, :len(r["input_ids"])] = torch.as_tensor(r["input_ids"]), 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    def padding_note(self, bucket: int | None) -> str:
+        """The share of padding tokens: to each batch's longest row, and then to its bucket."""
+        if not self.widths:
+            return ""
+        real, padded = sum(self.real_tokens), self.batch * sum(self.widths)
+        note = f"; padding {1 - real / padded:.1%} of tokens to the longest row"
+        if bucket:
+            bucketed = self.batch * sum(-(-w // bucket) * bucket for w in self.widths)
+            note += f", {1 - real / bucketed:.1%} to buckets of {bucket}"
+        return note
+
+
+class VaryingTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, low: int, high: int, vocab: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+        self.rows = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in lengths]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
 class RandomTokens(torch.utils.data.Dataset):
     def __init__(self, n: int, length: int, vocab: int, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
@@ -212,18 +276,18 @@ def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "trito
     return "+".join([f"trainer_{arm}", *tags])
 
 
-def run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
+def run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf16: bool,
             forge_options: str = "", liger: bool = False, memory_steps: int = 0, profile_steps: int = 0,
             details: dict | None = None, step_sync: bool = True, non_blocking: bool = False) -> dict:
     """The arm's row; ``details`` (when given) receives what memory_steps and profile_steps found."""
     base, fsdp2 = arm.removesuffix("_fsdp2"), arm.endswith("_fsdp2")
     with world_of_one() if fsdp2 else contextlib.nullcontext():
-        return _run_arm(base, model_name, batch, length, steps, warmup, bf16 and not fsdp2, fsdp2, forge_options,
+        return _run_arm(base, model_name, cell, steps, warmup, bf16 and not fsdp2, fsdp2, forge_options,
                         liger, memory_steps, profile_steps, {} if details is None else details, step_sync,
                         non_blocking)
 
 
-def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, warmup: int, bf16: bool,
+def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf16: bool,
              fsdp2: bool, forge_options: str, liger: bool, memory_steps: int, profile_steps: int,
              details: dict, step_sync: bool, non_blocking: bool) -> dict:
     from transformers import Trainer, TrainingArguments
@@ -240,7 +304,7 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
                 ) if fsdp2 else {}
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=batch, max_steps=warmup + steps + profile_steps,
+            output_dir=out, per_device_train_batch_size=cell.batch, max_steps=warmup + steps + profile_steps,
             learning_rate=2e-5, lr_scheduler_type="constant", max_grad_norm=0.0, bf16=bf16, logging_steps=10_000,
             save_strategy="no", report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"),
             seed=0, optim="forge_adamw" if forge else "adamw_torch_fused",
@@ -248,15 +312,17 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
                                               "cuda_graph=false" if base == "forge_eager" else "", forge_options)))
             if forge else None, **fsdp, **(LIGER if liger else {}),
             **(dict(accelerator_config={"non_blocking": True}, dataloader_pin_memory=True) if non_blocking else {}))
-        data = RandomTokens(batch * (warmup + steps + profile_steps), length, model.config.vocab_size)
+        data = cell.dataset(cell.batch * (warmup + steps + profile_steps), model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
-        trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock])
+        trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock],
+                              **(dict(data_collator=cell.collate) if cell.varies else {}))
         trainer.train()
         peak = max(clock.before, *clock.peaks, torch.cuda.max_memory_allocated() / 2**30)
         print(f"{arm}: peak GiB before the steps {clock.before:.2f}, step by step "
               f"{' '.join(f'{p:.2f}' for p in clock.peaks)}", flush=True)
-        graphed = bool(getattr(getattr(trainer, "forge_graph", None), "step", None)
-                       and trainer.forge_graph.step.graph is not None)
+        graphs = len(trainer.forge_graph.captured) if forge else 0
+        reserved = torch.cuda.max_memory_reserved() / 2**30
+        bucket = trainer.forge_config.graph_bucket if forge and graphs else None
     timed = clock.times[warmup:warmup + steps]  # the profiled steps after them are not timed
     if clock.memory is not None:
         details["memory"] = clock.memory
@@ -269,7 +335,7 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
     del trainer, model
     steady = max(clock.peaks[warmup:warmup + steps])
     note = f"{len(timed)} steps after {warmup}; IQR; timed steps' peak {steady:.2f} GiB" + \
-        (f"; graphed={graphed}" if forge else "") + \
+        (f"; graphs={graphs}" if forge else "") + f"; peak reserved {reserved:.2f} GiB" + \
         ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
         ("; Liger RoPE, RMSNorm, SwiGLU" if liger else "") + \
         (f"; {forge_options}" if forge and forge_options else "") + \
@@ -277,7 +343,13 @@ def _run_arm(arm: str, model_name: str, batch: int, length: int, steps: int, war
         ("; batches copied to the GPU without blocking" if non_blocking else "") + \
         ("; after a profiled arm in this process (its launches may carry the profiler's overhead)"
          if after_profile else "")
-    return dict(step_ms=statistics.median(timed), spread_ms=q[2] - q[0], peak_gib=peak, note=note)
+    step_ms = statistics.median(timed)
+    if cell.varies:  # lengths vary from step to step: the mean is the run's pace
+        step_ms = statistics.fmean(timed)
+        per_batch = statistics.fmean(cell.real_tokens)
+        note = f"mean over steps (lengths vary); {per_batch * 1e3 / step_ms / 1e3:.1f}k real tokens/s; " + \
+            f"{cell.collator} collator" + cell.padding_note(bucket) + "; " + note
+    return dict(step_ms=step_ms, spread_ms=q[2] - q[0], peak_gib=peak, note=note)
 
 
 _PROFILED_ARMS: list[str] = []  # arms of this process run under torch.profiler: CUPTI stays loaded after it stops
@@ -299,7 +371,11 @@ def write_details(folder: str, row: dict, details: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen3-0.6b")
-    p.add_argument("--batches", default="4x512", help="comma-separated BATCHxLENGTH cells")
+    p.add_argument("--batches", default="4x512", help="comma-separated cells: BATCHxLENGTH (packed rows of one length) "
+                   "or BATCHxMIN-MAX (rows of lengths uniform from MIN to MAX, collated by --collator)")
+    p.add_argument("--collator", choices=("pad", "flat"), default="pad",
+                   help="cells of varying lengths: pad each batch to its longest row (attention mask, labels -100 "
+                   "under the padding), or flatten it into one row with position_ids (padding-free)")
     p.add_argument("--arms", default="adamw_fused,adamw_fused_compile,forge_eager,forge")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1,
@@ -345,18 +421,18 @@ def main() -> None:
         p.error(f"--rounds {opts.rounds}: give 1 or more")
     rows = []
     for model_name in opts.models.split(","):
-        for cell in opts.batches.split(","):
-            batch, length = map(int, cell.split("x"))
+        for text in opts.batches.split(","):
             arms = opts.arms.split(",")
             # every other round in reverse: no arm always runs first (or after the same one)
             for arm, round_ in ((arm, r) for r in range(opts.rounds) for arm in (arms[::-1] if r % 2 else arms)):
                 label = arm_label(arm, opts.forge_options, opts.liger == "on", opts.loss_rows, opts.overlap == "on",
                                   opts.step_sync == "on", opts.non_blocking == "on")
-                row = dict(model=model_name, batch=cell, arm=label,
+                cell = Cell(text, opts.collator)
+                row = dict(model=model_name, batch=cell.label, arm=label,
                            tool="trainer_bench")
                 details: dict = {}
                 try:
-                    row.update(run_arm(arm, model_name, batch, length, opts.steps, opts.warmup, opts.bf16 == "on",
+                    row.update(run_arm(arm, model_name, cell, opts.steps, opts.warmup, opts.bf16 == "on",
                                        opts.forge_options, opts.liger == "on", opts.memory_steps,
                                        opts.profile_steps, details, opts.step_sync == "on",
                                        opts.non_blocking == "on"))

@@ -81,3 +81,26 @@ def test_rounds_interleave_the_arms_a_row_each(trainer_bench, monkeypatch, tmp_p
     monkeypatch.setattr("sys.argv", ["trainer_bench", "--rounds", "0"])
     with pytest.raises(SystemExit):
         trainer_bench.main()
+
+
+def test_cells_of_varying_lengths(trainer_bench):
+    """4x8-20: rows of 8 to 20 tokens, padded to each batch's longest row under labels -100, or
+    flattened into one row with position_ids; the note's padding shares follow the widths."""
+    packed = trainer_bench.Cell("4x16")
+    assert not packed.varies and packed.label == "4x16" and len(packed.dataset(3, 50)[0]["input_ids"]) == 16
+    cell = trainer_bench.Cell("4x8-20")
+    data = cell.dataset(8, 50)
+    lengths = [len(data[i]["input_ids"]) for i in range(4)]
+    assert all(8 <= n <= 20 for n in lengths)
+    batch = cell.collate([data[i] for i in range(4)])
+    assert batch["input_ids"].shape == (4, max(lengths))
+    assert batch["attention_mask"].sum().item() == sum(lengths) == cell.real_tokens[0]
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    share = 1 - sum(lengths) / (4 * max(lengths))
+    bucketed = 1 - sum(lengths) / (4 * 32)
+    assert cell.padding_note(32) == \
+        f"; padding {share:.1%} of tokens to the longest row, {bucketed:.1%} to buckets of 32"
+    flat = trainer_bench.Cell("4x8-20", "flat")
+    batch = flat.collate([data[i] for i in range(4)])
+    assert flat.label == "4x8-20/flat" and batch["input_ids"].shape == (1, sum(lengths))
+    assert batch["position_ids"][0, :lengths[0]].tolist() == list(range(lengths[0]))
