@@ -310,7 +310,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
             seed=0, optim="forge_adamw" if forge else "adamw_torch_fused",
             optim_args=",".join(filter(None, (f"state_precision={state}",
                                               "cuda_graph=false" if base == "forge_eager" else "", forge_options)))
-            if forge else None, **fsdp, **(LIGER if liger else {}),
+            if forge else None, **fsdp, **(LIGER if liger else {}), **TRAINING_ARGS,
             **(dict(accelerator_config={"non_blocking": True}, dataloader_pin_memory=True) if non_blocking else {}))
         data = cell.dataset(cell.batch * (warmup + steps + profile_steps), model.config.vocab_size)
         trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
@@ -347,11 +347,13 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
     if cell.varies:  # lengths vary from step to step: the mean is the run's pace
         step_ms = statistics.fmean(timed)
         per_batch = statistics.fmean(cell.real_tokens)
-        note = f"mean over steps (lengths vary); {per_batch * 1e3 / step_ms / 1e3:.1f}k real tokens/s; " + \
+        note = f"mean over steps (lengths vary), median {statistics.median(timed):.1f} ms; " + \
+            f"{per_batch * 1e3 / step_ms / 1e3:.1f}k real tokens/s; " + \
             f"{cell.collator} collator" + cell.padding_note(bucket) + "; " + note
     return dict(step_ms=step_ms, spread_ms=q[2] - q[0], peak_gib=peak, note=note)
 
 
+TRAINING_ARGS: dict = {}  # TrainingArguments every arm of this process takes (--gradient-checkpointing)
 _PROFILED_ARMS: list[str] = []  # arms of this process run under torch.profiler: CUPTI stays loaded after it stops
 
 
@@ -386,6 +388,8 @@ def main() -> None:
                    help="TrainingArguments.bf16 (autocast) for the arms without FSDP2")
     p.add_argument("--forge-options", default="", help="more forge options for the forge arms, as in optim_args "
                    "(e.g. recompute_swiglu=true)")
+    p.add_argument("--gradient-checkpointing", choices=("on", "off"), default="off",
+                   help="every arm with TrainingArguments.gradient_checkpointing")
     p.add_argument("--liger", choices=("on", "off"), default="off",
                    help="every arm with the recipes' Liger kernels (RoPE, RMSNorm, SwiGLU; not its losses)")
     p.add_argument("--step-sync", choices=("on", "off"), default="on",
@@ -419,6 +423,8 @@ def main() -> None:
         p.error("--memory-steps and --profile-steps write their findings to --details-dir: give one")
     if opts.rounds < 1:
         p.error(f"--rounds {opts.rounds}: give 1 or more")
+    if opts.gradient_checkpointing == "on":
+        TRAINING_ARGS["gradient_checkpointing"] = True
     rows = []
     for model_name in opts.models.split(","):
         for text in opts.batches.split(","):
@@ -427,6 +433,7 @@ def main() -> None:
             for arm, round_ in ((arm, r) for r in range(opts.rounds) for arm in (arms[::-1] if r % 2 else arms)):
                 label = arm_label(arm, opts.forge_options, opts.liger == "on", opts.loss_rows, opts.overlap == "on",
                                   opts.step_sync == "on", opts.non_blocking == "on")
+                label += "+gradient_checkpointing" * (opts.gradient_checkpointing == "on")
                 cell = Cell(text, opts.collator)
                 row = dict(model=model_name, batch=cell.label, arm=label,
                            tool="trainer_bench")
