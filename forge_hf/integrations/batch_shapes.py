@@ -92,17 +92,31 @@ class PaddingMaskCheck:
         return batch
 
 
-def take_mask(batch: dict) -> tuple[dict, str | None]:
-    """The batch for the model, and why it keeps a mask (None: none to keep). A mask
-    PaddingMaskCheck found droppable is dropped; an all-ones one as well when the check ran."""
+def take_mark(batch: dict) -> tuple[dict, bool]:
+    """The batch without PaddingMaskCheck's mark, and whether it marked the mask droppable."""
     batch = dict(batch)
-    droppable = batch.pop(MASK_DROPPABLE, False)
-    if "attention_mask" not in batch:
-        return batch, None
-    if droppable is True:
-        del batch["attention_mask"]
-        return batch, None
-    return batch, "its attention_mask was not found to mark right padding only"
+    return batch, batch.pop(MASK_DROPPABLE, False) is True
+
+
+def without_mask(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "attention_mask"}
+
+
+# What a padding-free collator adds for varlen attention kernels (TRL's, transformers' with
+# return_flash_attn_kwargs): SDPA and eager attention never read them (they take the sequences
+# from position_ids), and the lengths are host integers a replay could not change.
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def without_varlen_keys(batch: dict, model: nn.Module) -> dict:
+    """The batch without the varlen kernels' keys where the model's attention ignores them."""
+    if not any(k in batch for k in VARLEN_KEYS):
+        return batch
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if attention not in MASKED_ATTENTION:
+        return batch
+    return {k: v for k, v in batch.items() if k not in VARLEN_KEYS}
 
 
 def pad_to_bucket(batch: dict, multiple: int) -> tuple[dict, str | None]:

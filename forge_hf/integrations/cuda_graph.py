@@ -22,6 +22,7 @@ from torch import nn
 
 from ..optim.graphs import GraphedStep, StaleGraph
 from .batch_shapes import pad_to_bucket
+from .captured_loss import captured_loss
 
 EAGER_STEPS = 2  # a run's first steps, eager: the Trainer's own, then a GraphedStep's warm-up
 NUM_ITEMS = "forge_num_items_in_batch"  # Trainer's loss normaliser, carried into the graph as an input
@@ -136,8 +137,8 @@ class TrainerGraph:
 
     def run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
         """This training step through a graph (its loss), or None: run it eagerly (after
-        the last replay). ``inputs`` is the batch for the model (batch_shapes.take_mask
-        has run). The next replay joins the last one itself: until then the new batch's
+        the last replay). ``inputs`` is the batch for the model (the trainer's
+        _forge_model_inputs). The next replay joins the last one itself: until then the new batch's
         checks and copies run beside the last backward."""
         self.steps_run += 1
         loss = self._run(trainer, model, inputs, num_items_in_batch)
@@ -236,10 +237,10 @@ class TrainerGraph:
     def _loss_fn(trainer, model: nn.Module):
         forward = _forward_module(model)
 
-        def loss_fn(module, batch: dict) -> torch.Tensor:
+        def loss_fn(module, batch: dict) -> torch.Tensor:  # run at warm-ups and captures only
             batch = skip_packing_check(forward, batch)
             num_items = batch.pop(NUM_ITEMS, None)
             with trainer.compute_loss_context_manager():
-                return trainer.compute_loss(forward, batch, num_items_in_batch=num_items)
+                return captured_loss(trainer)[0](forward, batch, num_items_in_batch=num_items)
 
         return loss_fn

@@ -26,7 +26,8 @@ from ..optim.distributed import enable_data_parallel
 from ..optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from ..optim.optimizer import ForgeOptimizer, fused_layers
 from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, FLOAT16, FLOAT16_FIX, PatchReport, patch_model
-from .batch_shapes import PaddingMaskCheck, causal_reason, take_mask
+from .batch_shapes import PaddingMaskCheck, causal_reason, take_mark, without_mask, without_varlen_keys
+from .captured_loss import captured_loss, loss_owner
 from .checkpoints import FORGE_SHARDED_OPTIMIZER, check_checkpoint, latest_checkpoint
 from .cuda_graph import TrainerGraph, skip_packing_check
 from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
@@ -389,7 +390,8 @@ class ForgeTrainerMixin:
     # The training collator checks each batch's mask on the host (batch_shapes.PaddingMaskCheck);
     # a mask that marks right padding only is dropped before the model sees it, for a decoder whose
     # attention is causal and a loss that is the Trainer's own (a subclass's compute_loss, TRL's,
-    # may read the mask). The step then takes attention's unmasked path, eagerly and captured.
+    # may read the mask; a captured step of TRL's SFTTrainer computes the Trainer's: captured_loss.py).
+    # The step then takes attention's unmasked path, eagerly and captured.
 
     def get_train_dataloader(self):
         collator = self.data_collator
@@ -401,27 +403,30 @@ class ForgeTrainerMixin:
         finally:
             self.data_collator = collator
 
-    def _forge_model_inputs(self, inputs: dict) -> dict:
-        """The batch without the collator's mark, and without a mask that only marks right
-        padding where the model and the loss allow it."""
-        batch, _ = take_mask(inputs)
-        if "attention_mask" in inputs and "attention_mask" not in batch and not self._forge_may_drop_mask():
-            batch["attention_mask"] = inputs["attention_mask"]
-        return batch
+    def _forge_model_inputs(self, inputs: dict, captured: bool = False) -> dict:
+        """The batch for the model: without the collator's mark, and without a mask that only
+        marks right padding where the model and the loss (``captured``: the captured step's)
+        allow it; a captured step's without the varlen kernels' keys its attention ignores."""
+        batch, droppable = take_mark(inputs)
+        plain_loss = captured_loss(self)[1] if captured else loss_owner(self) is Trainer
+        if droppable and plain_loss and self._forge_causal():
+            batch = without_mask(batch)
+        return without_varlen_keys(batch, self.model) if captured else batch
 
-    def _forge_may_drop_mask(self) -> bool:
-        known = self.__dict__.get("_forge_mask_droppable")
+    def _forge_causal(self) -> bool:
+        known = self.__dict__.get("_forge_causal_model")
         if known is None or known[0] is not self.model:
-            own_loss = next(c for c in type(self).__mro__ if "compute_loss" in c.__dict__) is Trainer
-            known = self._forge_mask_droppable = (self.model, own_loss and causal_reason(self.model) is None)
+            known = self._forge_causal_model = (self.model, causal_reason(self.model) is None)
         return known[1]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._forge_keep_logits()
+        if self.forge_graph.off is None:
+            loss = self.forge_graph.run(self, model, self._forge_model_inputs(inputs, captured=True),
+                                        num_items_in_batch)
+            if loss is not None:
+                return loss
         inputs = self._forge_model_inputs(inputs)
-        loss = self.forge_graph.run(self, model, inputs, num_items_in_batch)
-        if loss is not None:
-            return loss
         if self.forge_graph.off is None:  # eager steps before a capture: the same model call as captured
             inputs = skip_packing_check(model, inputs)
         return super().training_step(model, inputs, num_items_in_batch)

@@ -12,7 +12,9 @@ from forge_hf.integrations.batch_shapes import (
     causal_reason,
     mask_reason,
     pad_to_bucket,
-    take_mask,
+    take_mark,
+    without_mask,
+    without_varlen_keys,
 )
 from tests.optim.test_optimizer import VOCAB, tiny_llama
 
@@ -70,10 +72,20 @@ def test_the_collator_check_marks_only_right_padding():
     assert batch[MASK_DROPPABLE] is True
     left = [{k: v.flip(1) for k, v in row.items()} for row in rows]
     assert MASK_DROPPABLE not in PaddingMaskCheck(stack)(left)
-    for_model, kept = take_mask(batch)
-    assert "attention_mask" not in for_model and MASK_DROPPABLE not in for_model and kept is None
-    for_model, kept = take_mask(PaddingMaskCheck(stack)(left))
-    assert "attention_mask" in for_model and "right padding" in kept
+    for_model, droppable = take_mark(batch)
+    assert droppable and MASK_DROPPABLE not in for_model and "attention_mask" in for_model
+    assert "attention_mask" not in without_mask(for_model)
+    for_model, droppable = take_mark(PaddingMaskCheck(stack)(left))
+    assert not droppable and "attention_mask" in for_model
+
+
+def test_varlen_keys_go_where_attention_ignores_them():
+    model = tiny_llama()
+    batch = dict(input_ids=torch.zeros(1, 4), position_ids=torch.arange(4)[None], cu_seq_lens_q=torch.tensor([0, 4]),
+                 cu_seq_lens_k=torch.tensor([0, 4]), max_length_q=4, max_length_k=4)
+    assert set(without_varlen_keys(batch, model)) == {"input_ids", "position_ids"}
+    model.config._attn_implementation = "flash_attention_2"  # reads them: they stay
+    assert without_varlen_keys(batch, model) is batch
 
 
 def test_causal_decoders_and_the_models_that_need_their_mask():
@@ -133,7 +145,7 @@ def test_dropping_the_mask_and_bucketing_keep_the_loss_and_gradients(attn):
     model.config._attn_implementation = attn
     batch = right_padded([5, 13, 9], 13)
     masked = _loss_and_gradients(model, batch)
-    dropped, _ = take_mask({**batch, MASK_DROPPABLE: True})
+    dropped = without_mask(batch)
     _assert_same(_loss_and_gradients(model, dropped), masked)
     bucketed, _ = pad_to_bucket(dropped, 8)
     assert bucketed["input_ids"].shape[1] == 16
@@ -192,7 +204,7 @@ def test_forge_trainer_drops_a_right_padding_mask_and_trains_as_with_it(tmp_path
     from forge_hf.integrations.trainer import ForgeTrainer
 
     class MaskKept(ForgeTrainer):
-        def _forge_may_drop_mask(self):
+        def _forge_causal(self):
             return False
 
     dropped, seen_dropped = _train_seeing_masks(tmp_path / "d", ForgeTrainer)
@@ -228,3 +240,4 @@ def test_an_encoder_keeps_its_mask(tmp_path):
     batch = PaddingMaskCheck(_right_padding_collator)(_padded_data()[:2])
     assert batch[MASK_DROPPABLE] is True
     assert "attention_mask" in trainer._forge_model_inputs(batch)
+    assert "attention_mask" in trainer._forge_model_inputs(batch, captured=True)

@@ -366,7 +366,7 @@ def padded_rows(lengths, labels_on_padding=False, left=False):
 class MaskKept(ForgeTrainer):
     """ForgeTrainer that gives the model every mask: the reference for the dropped ones."""
 
-    def _forge_may_drop_mask(self):
+    def _forge_causal(self):
         return False
 
 

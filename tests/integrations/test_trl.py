@@ -249,3 +249,79 @@ def test_under_bf16_autocast_sft_trainer_steps_a_gradient_rounded_to_bf16(tmp_pa
         for name in c:
             assert_close_rel(a[name], c[name], 1e-6, what=f"step {step}: {name}")
         assert largest_difference(a, b) > 10 * largest_difference(a, c), step
+
+
+# ---------------------------------------------------- captured steps (integrations/captured_loss.py)
+
+
+def _sft_batches(tmp_path, **config):
+    """An SFTTrainer (its default loss) and two batches from its own collator."""
+    tokenizer = AutoTokenizer.from_pretrained(SMOKE / "tokenizer")
+    args = sft_config(tmp_path, bf16=False, **config)
+    trainer = ForgeSFT(model=tiny_llama(tokenizer), args=args, train_dataset=rows(8), processing_class=tokenizer)
+    loader = trainer.get_train_dataloader()
+    return trainer, [batch for batch, _ in zip(loader, range(2))]
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_the_captured_sft_loss_is_trls_loss(tmp_path, padding_free):
+    """A captured step of SFTTrainer computes Trainer.compute_loss on the batch for the model
+    (mask dropped, varlen keys out, padded to a bucket): the loss TRL computes on the batch as
+    collated, to fp32 round-off, with and without num_items_in_batch."""
+    from transformers import Trainer
+
+    from forge_hf.integrations.batch_shapes import pad_to_bucket
+    from forge_hf.integrations.captured_loss import captured_loss
+
+    free = dict(padding_free=True, packing=True) if padding_free else {}  # TRL enforces max_length by packing
+    trainer, batches = _sft_batches(tmp_path, **free)
+    compute_loss, plain = captured_loss(trainer)
+    assert plain and compute_loss.func is Trainer.compute_loss
+    for batch in batches:
+        for_graph = trainer._forge_model_inputs(batch, captured=True)
+        if padding_free:
+            assert "position_ids" in for_graph and "cu_seq_lens_q" not in for_graph and "max_length_k" not in for_graph
+        else:
+            assert "attention_mask" in batch and "attention_mask" not in for_graph
+        for_graph, _ = pad_to_bucket(for_graph, 64)
+        num_items = (batch["labels"][:, 1:] != -100).sum()
+        for n in (num_items, None):
+            eager_batch = trainer._forge_model_inputs(batch)
+            reference = trainer.compute_loss(trainer.model, eager_batch, num_items_in_batch=n)
+            loss = compute_loss(trainer.model, dict(for_graph), num_items_in_batch=n)
+            torch.testing.assert_close(loss, reference, rtol=2e-6, atol=0)
+
+
+def test_a_loss_other_than_nll_is_captured_as_trl_defines_it(tmp_path):
+    from forge_hf.integrations.captured_loss import captured_loss
+
+    trainer, batches = _sft_batches(tmp_path, loss_type="dft")
+    compute_loss, plain = captured_loss(trainer)
+    assert not plain and compute_loss == trainer.compute_loss
+    assert "attention_mask" in trainer._forge_model_inputs(batches[0], captured=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_sft_trainer_steps_are_captured_and_follow_the_eager_ones(tmp_path, padding_free):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.integrations.test_cuda_graph import assert_parameters_follow
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOKE / "tokenizer")
+    start = [p.detach().clone() for p in tiny_llama(tokenizer).parameters()]
+    trainers = {}
+    for mode in ("true", "false"):
+        free = dict(padding_free=True, packing=True) if padding_free else {}
+        args = sft_config(tmp_path / mode, optim_args=f"min_params=0,cuda_graph={mode}", use_cpu=False, bf16=False,
+                          **free)
+        trainer = ForgeSFT(model=tiny_llama(tokenizer).cuda(), args=args, train_dataset=rows(),
+                           processing_class=tokenizer)
+        with sdpa_kernel(SDPBackend.MATH):
+            trainer.train()
+        trainers[mode] = trainer
+    graphed, eager = trainers["true"], trainers["false"]
+    assert graphed.forge_graph.captured
+    for a, b in zip(step_logs(graphed), step_logs(eager), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"])
+    assert_parameters_follow(graphed.model, eager.model, start)
