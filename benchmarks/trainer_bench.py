@@ -7,6 +7,8 @@ Arms (any subset, in the order given):
   forge_eager          ForgeTrainer(optim="forge_adamw"), cuda_graph=false
   forge                ForgeTrainer, default options (cuda_graph=auto)
   forge_compile        ForgeTrainer with torch_compile=True (cuda_graph=auto)
+  sft_adamw_fused      trl.SFTTrainer(optim="adamw_torch_fused") on cells of varying lengths, TRL's collator
+  sft_forge            trl.SFTTrainer with ForgeTrainerMixin, default options
   ..._int8             suffix: forge arms with int8 state (bf16 otherwise)
   ..._fsdp2            suffix: the model under accelerate's FSDP2 (fully_shard of each decoder
                        layer) in a world of one process: what the wrapping costs where there
@@ -55,7 +57,7 @@ import torch
 from models import build_model
 from results_table import add_table_option, append_rows
 
-ARMS = ("adamw_fused", "adamw_fused_compile", "forge_eager", "forge", "forge_compile")
+ARMS = ("adamw_fused", "adamw_fused_compile", "forge_eager", "forge", "forge_compile", "sft_adamw_fused", "sft_forge")
 
 
 class StepClock:
@@ -267,7 +269,7 @@ def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "trito
     and ways of timing apart. A forge arm run with FORGE_HF_KERNEL or FORGE_HF_WGRAD set in the
     environment is named by it too (``+kernel_persistent``, ``+wgrad_two_pass``)."""
     tags = ["liger"] if liger else []
-    if arm.startswith("forge"):
+    if arm.removeprefix("sft_").startswith("forge"):
         tags += sorted(item.partition("=")[0].strip() for item in forge_options.split(",") if item.strip())
         tags += ["torch_loss_rows"] * (loss_rows == "torch") + ["no_overlap"] * (not overlap)
         tags += [f"{tag}_{os.environ[env]}" for tag, env in (("kernel", "FORGE_HF_KERNEL"), ("wgrad", "FORGE_HF_WGRAD"))
@@ -296,6 +298,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
 
     base, _, state = arm.partition("_int8")
     state = "int8" if _ == "_int8" else "bf16"
+    sft, base = base.startswith("sft_"), base.removeprefix("sft_")
     forge = base.startswith("forge")
     torch.cuda.reset_peak_memory_stats()  # here: an arm that fails reports its own peak, not the last arm's
     model = build_model(model_name)
@@ -303,7 +306,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
     fsdp = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": model._no_split_modules}
                 ) if fsdp2 else {}
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
+        args = (_sft_config if sft else TrainingArguments)(
             output_dir=out, per_device_train_batch_size=cell.batch, max_steps=warmup + steps + profile_steps,
             learning_rate=2e-5, lr_scheduler_type="constant", max_grad_norm=0.0, bf16=bf16, logging_steps=10_000,
             save_strategy="no", report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"),
@@ -313,9 +316,12 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
             if forge else None, **fsdp, **(LIGER if liger else {}), **TRAINING_ARGS,
             **(dict(accelerator_config={"non_blocking": True}, dataloader_pin_memory=True) if non_blocking else {}))
         data = cell.dataset(cell.batch * (warmup + steps + profile_steps), model.config.vocab_size)
-        trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
-        trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock],
-                              **(dict(data_collator=cell.collate) if cell.varies else {}))
+        if sft:  # TRL's collator: padded, or padding-free with --collator flat
+            trainer = _sft_trainer(forge, model, args, data, clock)
+        else:
+            trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
+            trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock],
+                                  **(dict(data_collator=cell.collate) if cell.varies else {}))
         trainer.train()
         peak = max(clock.before, *clock.peaks, torch.cuda.max_memory_allocated() / 2**30)
         print(f"{arm}: peak GiB before the steps {clock.before:.2f}, step by step "
@@ -346,15 +352,44 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
     step_ms = statistics.median(timed)
     if cell.varies:  # lengths vary from step to step: the mean is the run's pace
         step_ms = statistics.fmean(timed)
-        per_batch = statistics.fmean(cell.real_tokens)
+        per_batch = cell.batch * statistics.fmean(len(row) for row in data.rows)
+        collator = "TRL's collator" + ", padding-free" * (cell.collator == "flat") if sft else \
+            f"{cell.collator} collator"
         note = f"mean over steps (lengths vary), median {statistics.median(timed):.1f} ms; " + \
-            f"{per_batch * 1e3 / step_ms / 1e3:.1f}k real tokens/s; " + \
-            f"{cell.collator} collator" + cell.padding_note(bucket) + "; " + note
+            f"{per_batch / step_ms:.1f}k real tokens/s; {collator}{cell.padding_note(bucket)}; {note}"
     return dict(step_ms=step_ms, spread_ms=q[2] - q[0], peak_gib=peak, note=note)
 
 
 TRAINING_ARGS: dict = {}  # TrainingArguments every arm of this process takes (--gradient-checkpointing)
 _PROFILED_ARMS: list[str] = []  # arms of this process run under torch.profiler: CUPTI stays loaded after it stops
+
+
+def _sft_config(**kwargs):
+    """TRL's SFTConfig for the sft_ arms: the rows are token ids already, of any length
+    (max_length=None), padding-free with --collator flat."""
+    import trl
+
+    return trl.SFTConfig(**kwargs, max_length=None, padding_free=SFT["padding_free"],
+                         dataset_kwargs={"skip_prepare_dataset": True})
+
+
+SFT = {"padding_free": False}  # set by main from --collator
+
+
+def _sft_trainer(forge: bool, model, args, data, clock):
+    """trl.SFTTrainer, with ForgeTrainerMixin for sft_forge; the bundled smoke tokenizer gives
+    the padding token (the rows are random ids: no text is tokenized)."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    import forge_hf
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(forge_hf.__file__), "assets", "smoke",
+                                                            "tokenizer"))
+    cls = type("ForgeSFT", (forge_hf.ForgeTrainerMixin, trl.SFTTrainer), {}) if forge else trl.SFTTrainer
+    rows = Dataset.from_list([{"input_ids": row} for row in data.rows])
+    return cls(model=model, args=args, train_dataset=rows, processing_class=tokenizer, callbacks=[clock])
 
 
 def write_details(folder: str, row: dict, details: dict) -> None:
@@ -423,6 +458,7 @@ def main() -> None:
         p.error("--memory-steps and --profile-steps write their findings to --details-dir: give one")
     if opts.rounds < 1:
         p.error(f"--rounds {opts.rounds}: give 1 or more")
+    SFT["padding_free"] = opts.collator == "flat"
     if opts.gradient_checkpointing == "on":
         TRAINING_ARGS["gradient_checkpointing"] = True
     rows = []
