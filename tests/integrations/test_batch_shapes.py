@@ -241,3 +241,26 @@ def test_an_encoder_keeps_its_mask(tmp_path):
     assert batch[MASK_DROPPABLE] is True
     assert "attention_mask" in trainer._forge_model_inputs(batch)
     assert "attention_mask" in trainer._forge_model_inputs(batch, captured=True)
+
+
+@pytest.mark.parametrize("case", ["left", "hole"])
+def test_left_padding_and_holes_reach_the_model_with_their_mask(tmp_path, case):
+    from forge_hf.integrations.trainer import ForgeTrainer
+    from tests.integrations.test_trainer import training_args
+
+    def collate(rows):
+        batch = _right_padding_collator(rows)
+        if case == "left":
+            return {k: v.flip(1) for k, v in batch.items()}
+        batch["attention_mask"][:, 1] = 0  # every row has a hole after its first token
+        batch["labels"][:, 1] = -100
+        return batch
+
+    model, seen = tiny_llama(), []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append("attention_mask" in kwargs), with_kwargs=True)
+    trainer = ForgeTrainer(model=model, args=training_args(tmp_path, max_steps=2), train_dataset=_padded_data(),
+                           data_collator=collate)
+    trainer.train()
+    assert seen == [True, True]
+    batch = trainer.get_train_dataloader().collate_fn(_padded_data()[:2])
+    assert "attention_mask" in trainer._forge_model_inputs(batch, captured=True)
