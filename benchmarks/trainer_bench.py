@@ -327,6 +327,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
         print(f"{arm}: peak GiB before the steps {clock.before:.2f}, step by step "
               f"{' '.join(f'{p:.2f}' for p in clock.peaks)}", flush=True)
         graphs = len(trainer.forge_graph.captured) if forge else 0
+        capture_s = sum(trainer.forge_graph.capture_seconds) if forge else 0.0
         reserved = torch.cuda.max_memory_reserved() / 2**30
         bucket = trainer.forge_config.graph_bucket if forge and graphs else None
     timed = clock.times[warmup:warmup + steps]  # the profiled steps after them are not timed
@@ -341,7 +342,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
     del trainer, model
     steady = max(clock.peaks[warmup:warmup + steps])
     note = f"{len(timed)} steps after {warmup}; IQR; timed steps' peak {steady:.2f} GiB" + \
-        (f"; graphs={graphs}" if forge else "") + f"; peak reserved {reserved:.2f} GiB" + \
+        (f"; graphs={graphs}, captured in {capture_s:.2f} s" if forge else "") + f"; peak reserved {reserved:.2f} GiB" + \
         ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
         ("; Liger RoPE, RMSNorm, SwiGLU" if liger else "") + \
         (f"; {forge_options}" if forge and forge_options else "") + \

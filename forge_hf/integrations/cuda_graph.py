@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 import warnings
 
 import torch
@@ -90,6 +91,7 @@ class TrainerGraph:
         self.eager: dict[tuple, str] = {}  # shapes whose capture failed, and why
         self.pool = None  # the memory pool every step captures into
         self.steps_run = 0  # steps seen, eager ones included
+        self.capture_seconds: list[float] = []  # the host time of each capture (and its first replay)
         self._launched: GraphedStep | None = None  # the last replay, until joined
         self._warned: set[str] = set()
 
@@ -203,6 +205,7 @@ class TrainerGraph:
     def _through_graph(self, trainer, step: GraphedStep, shapes: tuple, inputs: dict) -> torch.Tensor | None:
         optimizer = trainer.forge_optimizer
         capturing = step.graph is None and step.calls >= step.warmup_steps
+        started = time.perf_counter()
         try:
             loss = step.launch(inputs)
             self._launched = step  # the step to join, even after a stale graph drops it
@@ -229,6 +232,7 @@ class TrainerGraph:
         if step.graph is not None:
             if capturing:
                 self.grad_norms[shapes] = optimizer.last_grad_norm
+                self.capture_seconds.append(time.perf_counter() - started)
             optimizer.last_grad_norm = self.grad_norms[shapes]  # another step replaced it
         optimizer.skip_next_step()  # the Trainer's optimizer.step(): already part of this step
         return loss
