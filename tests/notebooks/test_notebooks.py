@@ -55,6 +55,8 @@ def tiny_parameters(name: str, tmp_path: Path) -> dict:
                     extra_overrides=["--eval_steps", "2", "--eval_rows", "8"], compare_state_precision="fp32")
     if name == "04_benchmark_results.ipynb":
         return dict(results_csv=str(benchmark_results(tmp_path)))
+    if name == "05_sft_variable_length.ipynb":
+        return dict(TINY_FINETUNE, optim_args="state_precision=fp32,backend=reference", compare_steps=3)
     raise AssertionError(f"{name} has no tiny parameters: add them to tests/notebooks/test_notebooks.py")
 
 
@@ -116,7 +118,7 @@ def kernel_env(tmp_path, monkeypatch):
 def test_notebooks_found():
     assert [p.name for p in NOTEBOOKS] == [
         "01_full_finetune_forge_adamw.ipynb", "02_lora_peft_forge.ipynb",
-        "03_continued_pretraining_recipe.ipynb", "04_benchmark_results.ipynb",
+        "03_continued_pretraining_recipe.ipynb", "04_benchmark_results.ipynb", "05_sft_variable_length.ipynb",
     ]
 
 
