@@ -309,7 +309,7 @@ def test_sft_trainer_steps_are_captured_and_follow_the_eager_ones(tmp_path, padd
     from tests.integrations.test_cuda_graph import assert_parameters_follow
 
     tokenizer = AutoTokenizer.from_pretrained(SMOKE / "tokenizer")
-    start = [p.detach().clone() for p in tiny_llama(tokenizer).parameters()]
+    start = [p.detach().clone().cuda() for p in tiny_llama(tokenizer).parameters()]
     trainers = {}
     for mode in ("true", "false"):
         free = dict(padding_free=True, packing=True) if padding_free else {}
