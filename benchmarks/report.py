@@ -39,8 +39,15 @@ def latest(rows: list[dict], tool: str = "run_grid") -> list[dict]:
 
 
 def _order(s: dict):
-    batch, seq = (int(v) for v in s["batch"].split("x")) if "x" in s["batch"] else (0, 0)
+    batch, seq = cell_size(s["batch"])
     return s["tool"], s["model"], batch * seq, batch, s["arm"].startswith("forge"), s["arm"]
+
+
+def cell_size(cell: str) -> tuple[int, int]:
+    """(rows, longest row) of a cell: BATCHxLENGTH, or BATCHxMIN-MAX[/flat] (varying lengths); (0, 0) else."""
+    rows, x, lengths = cell.partition("x")
+    longest = lengths.split("/")[0].split("-")[-1]
+    return (int(rows), int(longest)) if x and rows.isdigit() and longest.isdigit() else (0, 0)
 
 
 def _number(value, digits: int) -> str:

@@ -104,3 +104,11 @@ def test_cells_of_varying_lengths(trainer_bench):
     batch = flat.collate([data[i] for i in range(4)])
     assert flat.label == "4x8-20/flat" and batch["input_ids"].shape == (1, sum(lengths))
     assert batch["position_ids"][0, :lengths[0]].tolist() == list(range(lengths[0]))
+
+
+def test_the_report_orders_cells_of_varying_lengths():
+    with benchmark_module("report") as report:
+        assert report.cell_size("4x512") == (4, 512)
+        assert report.cell_size("4x128-512") == (4, 512)
+        assert report.cell_size("4x128-512/flat") == (4, 512)
+        assert report.cell_size("params") == (0, 0)
