@@ -17,6 +17,7 @@ ROUNDINGS = ("stochastic", "nearest")
 BACKENDS = ("auto", "triton", "reference")
 DATA_PARALLEL_MODES = ("sharded", "replicated")
 CUDA_GRAPH_MODES = ("auto", "true", "false")
+ACCUMULATION_MODES = ("auto", "stash", "buffer")
 
 # Below 64K weights (four 128x128 tiles) a fused launch cannot fill a GPU and saves under
 # 256 KiB of gradient; a torch optimizer steps such tensors in one batched launch.
@@ -62,6 +63,10 @@ class ForgeConfig:
     seed: int = _option(0, PATCH, "Seed of the stochastic-rounding streams (ForgeTrainer: TrainingArguments.seed).",
                         trainer_key=False)
     stop_on_nonfinite: bool = _option(False, OPTIMIZER, "Stop training when a tile's gradient is not finite.")
+    accumulation: str = _option(
+        "auto", OPTIMIZER, "With gradient accumulation or clipping, how a fused layer holds its gradient until the "
+        "optimizer step: stash (its input and output gradient rows), buffer (an fp32 weight gradient) or auto "
+        "(stash while it holds fewer tokens than 2*in*out/(in+out), then buffer).", ACCUMULATION_MODES)
     data_parallel: str = _option(
         "sharded", TRAINER, "Several processes: sharded (each rank keeps the states of its weight rows) or "
         "replicated.", DATA_PARALLEL_MODES)

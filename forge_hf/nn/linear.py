@@ -145,6 +145,7 @@ class FusedWeightMixin:
 
     forge_transposed = False  # Conv1D stores its weight as (in, out)
     forge_dp: DataParallelSeam | None = None  # set by optim/distributed.enable_data_parallel
+    forge_held = None  # a HeldGradient while a ForgeOptimizer holds the updates to its step (held_gradient.py)
 
     def forge_setup(self, config: ForgeConfig, layer_index: int = 0):
         if self.weight.dtype not in WEIGHT_DTYPES:
@@ -186,11 +187,21 @@ class FusedWeightMixin:
             else:
                 weight.grad.add_(g)
             return False
+        d = self.__dict__
+        held = d.get("forge_held")
+        if held is not None:  # the optimizer steps it (held_gradient.py)
+            if self.forge_dp is not None:
+                raise RuntimeError(
+                    f"{self.forge_name}: gradient accumulation and clipping are not supported with forge's "
+                    "data parallelism or FSDP2 yet: train in one process, or with gradient_accumulation_steps=1 "
+                    "and max_grad_norm=0")
+            held.add(x2, dy2)
+            d["_forge_updates"] = d.get("_forge_updates", 0) + 1
+            return True
         self.forge_fused_step(x2, dy2)
         # A node that saved the weight and runs later must fail, not use the new value.
         torch.autograd.graph.increment_version(weight)
-        d = self.__dict__  # per-step bookkeeping: plain attributes, past nn.Module.__setattr__
-        d["_forge_updates"] = d.get("_forge_updates", 0) + 1
+        d["_forge_updates"] = d.get("_forge_updates", 0) + 1  # plain attributes, past nn.Module.__setattr__
         return True
 
     # ------------------------------------------------------------ consumers

@@ -23,6 +23,7 @@ from ..kernels.dispatch import resolve_backend
 from ..kernels.launch.fused_update_launch import BoundLaunch
 from ..kernels.reference import reference_fused_update, reference_rule_rows
 from ..kernels.triton.multi_tensor import MultiTensorRulePass, batch_kind
+from ..nn.held_gradient import HeldGradient
 from ..nn.linear import FusedWeightMixin
 from .fsdp import enable_fsdp, fsdp_needed, param_shards
 
@@ -68,6 +69,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             Face's grouping: not biases and norms).
         stop_on_nonfinite: raise FloatingPointError after a step that skipped a non-finite
             tile (default: the patch's ForgeConfig, False).
+        accumulate: the fused layers hold their weight gradient over the backwards until
+            ``step()`` (gradient accumulation: call ``step()`` after the last micro-batch's
+            backward); how, the patch's ForgeConfig ``accumulation`` says.
+        max_grad_norm: clip the whole gradient, fused and ordinary parameters together, to this
+            global norm before any weight moves, as ``torch.nn.utils.clip_grad_norm_`` does
+            (0: no clipping). The fused layers then hold their gradient until ``step()`` too.
 
     Its param_groups own the hyperparameters: a scheduler that changes ``group["lr"]``
     changes what the fused layers read in their next backward.
@@ -79,7 +86,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, lr: float | None = None, *, decay_parameter_names=None,
-                 stop_on_nonfinite: bool | None = None, **hyperparameters):
+                 stop_on_nonfinite: bool | None = None, accumulate: bool = False, max_grad_norm: float = 0.0,
+                 **hyperparameters):
         layers = fused_layers(model)
         if not layers:
             raise ValueError(
@@ -96,6 +104,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         config = config.replace(hyperparameters={**config.hyperparameters, **hyperparameters})
         if stop_on_nonfinite is not None:
             config = config.replace(stop_on_nonfinite=stop_on_nonfinite)
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: give a number >= 0 (0: no clipping)")
         defaults = config.group()
         rule = config.rule
 
@@ -142,6 +152,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p in self._layers:
                     self._layers[p].forge_group = group
+        self.max_grad_norm = float(max_grad_norm)
+        self.accumulate = bool(accumulate)
+        # accumulating or clipping: each fused layer holds its gradient until step() (held_gradient.py)
+        holds = self.accumulate or self.max_grad_norm > 0
+        for layer in self._layers.values():
+            layer.forge_held = HeldGradient(config.accumulation) if holds else None
 
     def params(self) -> list[torch.Tensor]:
         """Every parameter, in state_dict's numbering (param_groups' order)."""
@@ -163,6 +179,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        unclipped = self._step_held()
         # [squared sum, bad tiles] of the fused layers: whole weights, and data-parallel
         # bands (this rank's rows only, summed over the ranks of the layer's own process
         # group: another group's ranks hold other replicas). A few launches, not a few per layer.
@@ -223,7 +240,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             dist.all_reduce(part, group=shard_group)
             sq += part[0]
             bad += part[1]
-        self.last_grad_norm = sq.sqrt()
+        self.last_grad_norm = sq.sqrt() if unclipped is None else unclipped
         self._nonfinite += bad
         if self.stop_on_nonfinite and bad.item() > 0:
             raise FloatingPointError(
@@ -232,6 +249,41 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 "check the data for bad values, or train in fp32/bf16 with a finite loss"
             )
         return loss
+
+    def _step_held(self) -> torch.Tensor | None:
+        """Step the fused layers from the gradients they held since the last step
+        (held_gradient.py); with ``max_grad_norm``, first clip the whole gradient, held and
+        ordinary, to it as ``torch.nn.utils.clip_grad_norm_`` does, and return its norm before
+        clipping. The held steps' squared sums go into each layer's statistics, as a fused
+        backward's do."""
+        held = [(p, layer) for p, layer in self._layers.items()
+                if layer.forge_held is not None and not layer.forge_held.empty]
+        norm = scale = None
+        if self.max_grad_norm > 0:
+            grads = [p.grad for _, p in self._with_grads()]
+            sq = torch.zeros((), dtype=torch.float32, device=self._device)
+            for _, layer in held:
+                sq += layer.forge_held.squared_norm().to(self._device)
+            for g in grads:
+                sq += torch.linalg.vector_norm(g, dtype=torch.float32).square().to(self._device)
+            norm = sq.sqrt()
+            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(scale.to(g.device))
+        for p, layer in held:
+            hold = layer.forge_held
+            if hold.buffer is not None:
+                g = hold.buffer if scale is None else hold.buffer * scale.to(hold.buffer.device)
+                group = next(group for group in self.param_groups if any(q is p for q in group["params"]))
+                p_sq, p_bad = self._step_tensor(p, group, grad=g.t() if layer.forge_transposed else g)
+                layer.forge_stats += torch.stack([p_sq.float(), p_bad.float()]).to(layer.forge_stats.device)
+            else:
+                x2, dy2 = hold.tokens_and_gradients()
+                if scale is not None:  # a bf16 output gradient is rounded once more, scaled
+                    dy2 = (dy2.float() * scale.to(dy2.device)).to(dy2.dtype)
+                layer.forge_fused_step(x2, dy2)
+            hold.clear()
+        return norm
 
     def _with_grads(self):
         """(group, parameter) for every parameter that holds a gradient, in param_groups' order."""
@@ -244,22 +296,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
     # few hundred MB, where a whole 0.5B-entry embedding would take tens of GB at once.
     CHUNK = 1 << 24
 
-    def _step_tensor(self, p: torch.Tensor, group: dict, stats: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One rule step of ``p`` from ``p.grad``: (its squared sum, 1 if it was skipped), or
-        with the kernel and ``stats``, None: those are added into ``stats``.
+    def _step_tensor(self, p: torch.Tensor, group: dict, stats: torch.Tensor | None = None,
+                     grad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One rule step of ``p`` from ``p.grad`` (or ``grad``, in p's layout): (its squared
+        sum, 1 if it was skipped), or with the kernel and ``stats``, None: those are added
+        into ``stats``.
 
         A fused layer's weight (fusion switched off) is stepped in the kernels' (out, in)
         view with its layer's state, which may be 8-bit; other states are fp32 or bf16.
         Rows are stepped a chunk at a time; the arithmetic per element is unchanged."""
-        if p.grad.is_sparse:
+        grad = p.grad if grad is None else grad
+        if grad.is_sparse:
             raise RuntimeError("sparse gradients are not supported by ForgeOptimizer: "
                                "use nn.Embedding(sparse=False)")
         state, layer = self.state[p], self._layers.get(p)
         transposed = layer.forge_transposed if layer is not None else None
-        local, grad, shards, row0 = p, p.grad, self._shards.get(p), 0
+        local, shards, row0 = p, self._shards.get(p), 0
         if shards is not None:  # FSDP2: this rank's rows; their first row's place in p picks the rounding bits
-            local, grad, row0 = p.to_local(), p.grad.to_local(), shards.rows(p.shape[0])[0]
+            local, grad, row0 = p.to_local(), grad.to_local(), shards.rows(p.shape[0])[0]
         state.allocate(local, group, transposed=transposed)
         w, g = (local.t(), grad.t()) if transposed else (local, grad)
         # the step counts even when the gradient is skipped, as for a fused layer whose

@@ -1,0 +1,87 @@
+"""A fused layer's weight gradient held until the optimizer step, for exact gradient
+accumulation and exact global-norm clipping (ForgeOptimizer(accumulate=..., max_grad_norm=...)).
+
+While the optimizer holds updates, a fused layer's backward does not step its weight: it
+keeps what the step needs, one of two ways, and ForgeOptimizer.step runs the step from it.
+
+- The token stash: each backward's layer input and output gradient, as they are (no copy:
+  inputs several layers read, such as q/k/v's, are one tensor held by each). The step runs the
+  fused kernel once over every held token: no weight gradient is ever formed.
+- The fp32 buffer (the FORGE paper's Appendix L): the weight gradient summed in fp32 at each
+  backward, the rule applied from it at the step.
+
+``auto`` stashes while the tokens held are fewer than 2·in·out/(in+out) for the layer, the
+count at which the stash's bf16 rows take the bytes of the fp32 buffer, and moves to the
+buffer past it. A norm of the held gradient (for clipping) costs the stash one more
+weight-gradient GEMM, formed a band of rows at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.config import ACCUMULATION_MODES
+
+NORM_CHUNK = 1 << 24  # fp32 entries of the gradient formed at once for a stash's norm
+
+
+def stash_limit(in_features: int, out_features: int) -> int:
+    """Tokens past which a stash takes more bytes than an fp32 gradient buffer."""
+    return 2 * in_features * out_features // (in_features + out_features)
+
+
+class HeldGradient:
+    """What one fused layer holds of its weight gradient until the optimizer step."""
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in ACCUMULATION_MODES:
+            raise ValueError(f"unknown accumulation={mode!r}: choose one of {list(ACCUMULATION_MODES)}")
+        self.mode = mode
+        self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens x in, tokens x out) pairs
+        self.buffer: torch.Tensor | None = None  # (out, in) fp32
+        self.tokens = 0  # tokens held since the last step
+
+    @property
+    def empty(self) -> bool:
+        return not self.stash and self.buffer is None
+
+    def add(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
+        """Hold one backward's contribution ``dy2^T x2``."""
+        self.tokens += x2.shape[0]
+        past_limit = self.mode == "auto" and self.tokens > stash_limit(x2.shape[1], dy2.shape[1])
+        if self.buffer is None and (self.mode == "buffer" or past_limit):
+            self.buffer = torch.zeros(dy2.shape[1], x2.shape[1], dtype=torch.float32, device=x2.device)
+            for x, dy in self.stash:
+                self.buffer.addmm_(dy.float().t(), x.float())
+            self.stash = []
+        if self.buffer is not None:
+            self.buffer.addmm_(dy2.float().t(), x2.float())
+        else:
+            self.stash.append((x2, dy2))
+
+    def tokens_and_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stash as one (tokens, in) and one (tokens, out) tensor."""
+        if len(self.stash) == 1:
+            return self.stash[0]
+        return torch.cat([x for x, _ in self.stash]), torch.cat([dy for _, dy in self.stash])
+
+    def squared_norm(self) -> torch.Tensor:
+        """The held gradient's squared Frobenius norm, fp32 (0-dim)."""
+        if self.buffer is not None:
+            return self.buffer.square().sum()
+        x2, dy2 = self.tokens_and_gradients()
+        total = torch.zeros((), dtype=torch.float32, device=x2.device)
+        rows = max(1, NORM_CHUNK // max(x2.shape[1], 1))
+        xf = x2.float()
+        for r0 in range(0, dy2.shape[1], rows):
+            total += (dy2[:, r0:r0 + rows].float().t() @ xf).square().sum()
+        return total
+
+    def clear(self) -> None:
+        self.stash, self.buffer, self.tokens = [], None, 0
+
+    def nbytes(self) -> int:
+        """Bytes held: the stash's rows (a tensor several layers hold counted here too), or the buffer."""
+        if self.buffer is not None:
+            return self.buffer.numel() * 4
+        return sum(x.numel() * x.element_size() + dy.numel() * dy.element_size() for x, dy in self.stash)

@@ -1,0 +1,176 @@
+"""Exact gradient accumulation and global-norm clipping (nn/held_gradient.py,
+ForgeOptimizer(accumulate=..., max_grad_norm=...)): k micro-batches held by the fused layers
+and stepped at ``step()`` against torch.optim on an unpatched copy that sums the k
+gradients, with and without clipping, every rule, stash and buffer; fp32 weights and
+state on the reference backend (CPU), to fp32 round-off."""
+
+import pytest
+import torch
+
+from forge_hf.core.rules import RULES
+from forge_hf.nn.held_gradient import HeldGradient, stash_limit
+from forge_hf.optim.optimizer import ForgeOptimizer
+from forge_hf.optim.patch import patch_model
+from tests.helpers import tiny_llama as small_llama
+from tests.optim.test_optimizer import VOCAB, assert_models_close, batches, torch_twin
+
+K = 3  # micro-batches a step
+# The stash sums the K micro-batches' products in one GEMM where torch adds K gradients: the
+# token-axis sum in another order, its round-off grown by the rules' division by sqrt(v) (and
+# RMSprop's and Adagrad's lack of bias correction); the buffer adds K gradients as torch does, each
+# formed by its own GEMM call.
+RTOL_ACCUMULATED = {"stash": 1e-4, "buffer": 5e-5}
+
+TORCH_RULES = {
+    "adamw": (torch.optim.AdamW, dict(lr=2e-3, weight_decay=0.01)),
+    "nadam": (torch.optim.NAdam, dict(lr=2e-3, weight_decay=0.0)),
+    "radam": (torch.optim.RAdam, dict(lr=2e-3, weight_decay=0.0)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=1e-3, weight_decay=0.0, momentum=0.9)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=1e-2, weight_decay=0.0)),
+    "sgd": (torch.optim.SGD, dict(lr=1e-2, weight_decay=0.0, momentum=0.9)),
+}
+
+
+def odd_llama(seed=0):
+    """A Llama whose linears are not multiples of the kernels' 64-wide tiles."""
+    return small_llama(VOCAB, hidden=40, intermediate=72, seed=seed)
+
+
+def patched_pair(rule, accumulation, **options):
+    model, reference = odd_llama(), odd_llama()
+    patch_model(model, optimizer=rule, backend="reference", min_params=0, accumulation=accumulation)
+    return model, reference
+
+
+def run(model, optimizer, steps, micro=K, after_step=None):
+    """``steps`` optimizer steps of ``micro`` micro-batches, each loss divided by ``micro``."""
+    losses = []
+    for s in range(steps):
+        for ids in batches(micro, seed=10 * s + 1):
+            loss = model(input_ids=ids, labels=ids).loss / micro
+            loss.backward()
+            losses.append(loss.item())
+        if after_step is not None:
+            after_step()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("rule", list(TORCH_RULES))
+@pytest.mark.parametrize("accumulation", ["stash", "buffer"])
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05, 1e3])  # no clipping, clipping active, not active
+def test_accumulated_steps_equal_torch_summing_the_gradients(rule, accumulation, max_grad_norm):
+    cls, hyper = TORCH_RULES[rule]
+    model, reference = patched_pair(rule, accumulation)
+    optimizer = ForgeOptimizer(model, accumulate=True, max_grad_norm=max_grad_norm, **hyper)
+    twin = torch_twin(reference, cls, **dict(hyper))
+    norms = []
+
+    def clip():
+        if max_grad_norm:
+            norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm))
+
+    forge_losses = run(model, optimizer, steps=3)
+    reference_losses = run(reference, twin, steps=3, after_step=clip)
+    assert forge_losses == pytest.approx(reference_losses, rel=1e-5)
+    if max_grad_norm:
+        torch.testing.assert_close(optimizer.last_grad_norm, norms[-1], rtol=1e-5, atol=0)
+        assert (norms[-1] > max_grad_norm) == (max_grad_norm < 1)  # the clip is active where it should be
+    assert_models_close(model, reference, rtol=RTOL_ACCUMULATED[accumulation])
+    held = [m.forge_held for m in model.modules() if getattr(m, "forge_held", None) is not None]
+    assert held and all(h.empty for h in held)
+
+
+def test_k_micro_steps_equal_one_step_on_the_concatenated_batch():
+    model, one = patched_pair("adamw", "stash")
+    patch_model(one, optimizer="adamw", backend="reference", min_params=0)
+    accumulated = ForgeOptimizer(model, lr=2e-3, accumulate=True)
+    plain = ForgeOptimizer(one, lr=2e-3)
+    for s in range(2):
+        micro = batches(K, seed=s + 1)
+        for ids in micro:
+            (model(input_ids=ids, labels=ids).loss / K).backward()
+        accumulated.step()
+        accumulated.zero_grad()
+        whole = torch.cat(micro)
+        one(input_ids=whole, labels=whole).loss.backward()  # the mean over K equal-sized batches
+        plain.step()
+        plain.zero_grad()
+    assert_models_close(model, one)
+
+
+def test_clipping_at_one_micro_step_holds_until_step():
+    """max_grad_norm alone (no accumulation): the backward steps nothing; step() clips and steps."""
+    model, reference = patched_pair("adamw", "auto")
+    optimizer = ForgeOptimizer(model, lr=2e-3, weight_decay=0.01, max_grad_norm=0.05)
+    twin = torch_twin(reference, torch.optim.AdamW, lr=2e-3, weight_decay=0.01)
+    ids = batches(1)[0]
+    before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, before)  # held, not stepped
+    optimizer.step()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    twin.step()
+    assert_models_close(model, reference)
+
+
+def test_auto_moves_from_the_stash_to_the_buffer_past_the_crossover():
+    layer_in, layer_out = 40, 72
+    limit = stash_limit(layer_in, layer_out)
+    held = HeldGradient("auto")
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(torch.randn(20, layer_in, generator=gen), torch.randn(20, layer_out, generator=gen)) for _ in range(3)]
+    expected = sum(dy.t() @ x for x, dy in pairs)
+    for i, (x, dy) in enumerate(pairs):
+        held.add(x, dy)
+        assert (held.buffer is not None) == (held.tokens > limit), (i, held.tokens, limit)
+    assert held.tokens == 60 > limit == 51 and held.stash == []
+    torch.testing.assert_close(held.buffer, expected)
+    stash = HeldGradient("stash")
+    for x, dy in pairs:
+        stash.add(x, dy)
+    assert stash.buffer is None and stash.nbytes() == 60 * (layer_in + layer_out) * 4
+    torch.testing.assert_close(stash.squared_norm(), expected.square().sum())
+
+
+def test_bad_settings_are_refused():
+    model = odd_llama()
+    patch_model(model, optimizer="adamw", backend="reference", min_params=0)
+    with pytest.raises(ValueError, match=r"max_grad_norm=-1.0: give a number >= 0"):
+        ForgeOptimizer(model, max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="unknown accumulation='sometimes'"):
+        patch_model(odd_llama(), optimizer="adamw", accumulation="sometimes")
+
+
+def test_without_accumulation_or_clipping_the_backward_steps():
+    model = odd_llama()
+    patch_model(model, optimizer="adamw", backend="reference", min_params=0)
+    ForgeOptimizer(model, lr=1e-2)
+    layer = model.model.layers[0].mlp.up_proj
+    assert layer.forge_held is None
+    before = layer.weight.detach().clone()
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert not torch.equal(layer.weight, before)
+
+
+def test_every_rule_is_covered():
+    assert set(TORCH_RULES) == set(RULES) - {"lion"}, "a rule without a torch.optim twin needs its own test"
+
+
+def test_lion_accumulated_equals_one_step_on_the_concatenated_batch():
+    model, one = patched_pair("lion", "buffer")
+    patch_model(one, optimizer="lion", backend="reference", min_params=0)
+    accumulated = ForgeOptimizer(model, lr=1e-4, accumulate=True, max_grad_norm=0.05)
+    plain = ForgeOptimizer(one, lr=1e-4, max_grad_norm=0.05)
+    micro = batches(K, seed=3)
+    for ids in micro:
+        (model(input_ids=ids, labels=ids).loss / K).backward()
+    accumulated.step()
+    whole = torch.cat(micro)
+    one(input_ids=whole, labels=whole).loss.backward()
+    plain.step()
+    assert_models_close(model, one)
+    torch.testing.assert_close(accumulated.last_grad_norm, plain.last_grad_norm, rtol=1e-5, atol=0)
