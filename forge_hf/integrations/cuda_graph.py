@@ -109,6 +109,9 @@ class TrainerGraph:
             return "the optimizer is not a ForgeOptimizer"
         if optimizer.stop_on_nonfinite:
             return "stop_on_nonfinite=true reads a count on the host inside every step"
+        if getattr(optimizer, "holds_updates", False):
+            return ("gradient accumulation and clipping hold the fused updates until the optimizer step, "
+                    "which a captured step does not take yet")
         return None
 
     def _disable(self, reason: str, warn: bool = True) -> None:

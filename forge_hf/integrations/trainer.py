@@ -36,6 +36,8 @@ from .training_args import PREFIX, config_from_training_args, merged_config, reg
 
 logger = logging.get_logger(__name__)
 
+DEFAULT_MAX_GRAD_NORM = 1.0  # TrainingArguments' own: a user who never set it is told what clipping costs
+
 register_optimizer_names()  # TrainingArguments(optim="forge_<rule>") validates from here on
 
 
@@ -71,10 +73,11 @@ def _asks_fsdp1(args, accelerator) -> bool:
 
 def check_training_arguments(args, accelerator=None) -> None:
     """Refuse, naming the value and the fix, what a fused step cannot do correctly."""
-    if args.gradient_accumulation_steps > 1:
+    if args.gradient_accumulation_steps > 1 and getattr(args, "world_size", 1) > 1:
         raise ValueError(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps} is not supported with forge "
-            "optimizers (each backward steps the weights): raise per_device_train_batch_size instead"
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps} with {args.world_size} processes is not "
+            "supported with forge optimizers yet (a held gradient is not gathered over the ranks): raise "
+            "per_device_train_batch_size instead, or accumulate in one process"
         )
     if args.fp16:
         raise ValueError(
@@ -216,15 +219,32 @@ class ForgeTrainerMixin:
         self.forge_graph = TrainerGraph(graph_mode, *((self.forge_config.graph_bucket, self.forge_config.max_graphs)
                                                       if self.forge_config else ()))
         self.callback_handler.callbacks.insert(0, StepOrder(self))  # first: before the callbacks it orders
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+        # Clipping is the ForgeOptimizer's (max_grad_norm): the Trainer's own would see only the
+        # ordinary gradients. Several processes: not yet, ignored as before, said once.
+        self.forge_max_grad_norm = float(self.args.max_grad_norm or 0.0)
+        if self.forge_max_grad_norm > 0 and self.args.world_size > 1:
             warnings.warn(
-                f"max_grad_norm={self.args.max_grad_norm} is ignored: forge optimizers step each fused "
-                "weight inside backward, before the gradient norm is known, so gradients are not clipped "
-                "(grad_norm is still logged). Set max_grad_norm=0 to silence this warning.",
-                UserWarning, stacklevel=2,
-            )
+                f"max_grad_norm={self.args.max_grad_norm} is ignored with {self.args.world_size} processes: forge "
+                "clips in one process only (grad_norm is still logged). Set max_grad_norm=0 to silence this warning.",
+                UserWarning, stacklevel=2)
+            self.forge_max_grad_norm = 0.0
+        elif self.forge_max_grad_norm == DEFAULT_MAX_GRAD_NORM:
+            warnings.warn(
+                f"forge: gradients are clipped at max_grad_norm={DEFAULT_MAX_GRAD_NORM} (the Trainer's default): each "
+                "fused layer then holds its input and output gradient until the optimizer step (their rows stay "
+                "through the backward) and forms its weight gradient once more for the norm. Set max_grad_norm=0 "
+                "for forge's step inside backward, or set it explicitly to keep clipping.", UserWarning, stacklevel=2)
+        if self.args.max_grad_norm:
             self.args = copy.copy(self.args)  # the caller's arguments stay as they were
             self.args.max_grad_norm = 0.0
+        given = self.forge_optimizer
+        if given is not None and (given.accumulate != (self.args.gradient_accumulation_steps > 1)
+                                  or given.max_grad_norm != self.forge_max_grad_norm):
+            raise ValueError(
+                f"the ForgeOptimizer given has accumulate={given.accumulate}, max_grad_norm={given.max_grad_norm}, but "
+                f"the arguments ask for gradient_accumulation_steps={self.args.gradient_accumulation_steps}, "
+                f"max_grad_norm={self.forge_max_grad_norm}: build it with ForgeOptimizer(..., accumulate="
+                f"{self.args.gradient_accumulation_steps > 1}, max_grad_norm={self.forge_max_grad_norm})")
 
     @property
     def forge_optimizer(self) -> ForgeOptimizer | None:
@@ -265,7 +285,8 @@ class ForgeTrainerMixin:
         config = self.forge_config
         decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
         return ForgeOptimizer(model, decay_parameter_names=decay, stop_on_nonfinite=config.stop_on_nonfinite,
-                              **config.hyperparameters)
+                              accumulate=self.args.gradient_accumulation_steps > 1,
+                              max_grad_norm=self.forge_max_grad_norm, **config.hyperparameters)
 
     def forge_follow_fsdp2_prepare(self) -> None:
         """After accelerate's FSDP2 prepare: build the ForgeOptimizer again over the sharded model.

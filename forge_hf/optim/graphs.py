@@ -148,6 +148,9 @@ class GraphedStep:
         if len({id(dp.group) for dp in dps}) > 1:
             raise ValueError("the fused layers run data parallel over different process groups: a graphed step "
                              "averages the other gradients over one; call enable_data_parallel once, with one group")
+        if optimizer.holds_updates:
+            raise ValueError("the ForgeOptimizer holds the fused updates until step() (accumulate=True or "
+                             "max_grad_norm > 0), which a graphed step does not capture yet: train eagerly")
         if optimizer.stop_on_nonfinite:
             raise ValueError("stop_on_nonfinite=True reads a count on the host inside step(), which a graph "
                              "cannot: check optimizer.pop_nonfinite_tiles() between steps instead")

@@ -155,9 +155,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = float(max_grad_norm)
         self.accumulate = bool(accumulate)
         # accumulating or clipping: each fused layer holds its gradient until step() (held_gradient.py)
-        holds = self.accumulate or self.max_grad_norm > 0
         for layer in self._layers.values():
-            layer.forge_held = HeldGradient(config.accumulation) if holds else None
+            layer.forge_held = HeldGradient(config.accumulation) if self.holds_updates else None
+
+    @property
+    def holds_updates(self) -> bool:
+        """Whether the fused layers hold their gradient until ``step()`` (accumulating or clipping)."""
+        return self.accumulate or self.max_grad_norm > 0
 
     def params(self) -> list[torch.Tensor]:
         """Every parameter, in state_dict's numbering (param_groups' order)."""

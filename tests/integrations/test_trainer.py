@@ -12,6 +12,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.training_args import OptimizerNames
 
+import forge_hf
 from forge_hf.core.config import ForgeConfig
 from forge_hf.core.rules import NUM_SCALARS
 from forge_hf.integrations.trainer import ForgeTrainer
@@ -263,14 +264,13 @@ def test_recompute_swiglu_through_optim_args_trains_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,after,match", [
-    (dict(gradient_accumulation_steps=4), None, "gradient_accumulation_steps=4 .*per_device_train_batch_size"),
     (dict(fp16=True), None, "fp16=True .* bf16=True"),
     (dict(auto_find_batch_size=True), None, "auto_find_batch_size=True"),
     ({}, lambda args: setattr(args, "deepspeed", {"zero_optimization": {"stage": 2}}), "DeepSpeed"),
     (dict(optim="adamw_torch"), None, "not a forge optimizer"),
     (dict(optim_args=f"{FAST},lr=0.1"), None, "TrainingArguments.learning_rate"),
     (dict(torch_compile=True, use_liger_kernel=True), None, "torch_compile=True with use_liger_kernel=True .* alone"),
-], ids=["accumulation", "fp16", "auto_batch", "deepspeed", "not_forge", "lr_in_optim_args", "compile_with_liger"])
+], ids=["fp16", "auto_batch", "deepspeed", "not_forge", "lr_in_optim_args", "compile_with_liger"])
 def test_refusals(tmp_path, overrides, after, match):
     args = training_args(tmp_path, **overrides)
     if after is not None:
@@ -366,16 +366,63 @@ def test_plain_trainer_stops_at_once(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
 
-def test_max_grad_norm_is_ignored_with_one_warning(tmp_path):
+def test_the_default_max_grad_norm_clips_and_says_once_what_it_costs(tmp_path):
     args = training_args(tmp_path, max_grad_norm=1.0, max_steps=3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
         trainer.train()
-    ours = [w for w in caught if "max_grad_norm" in str(w.message)]
-    assert len(ours) == 1 and "max_grad_norm=1.0 is ignored" in str(ours[0].message)
+    ours = [str(w.message) for w in caught if "max_grad_norm" in str(w.message)]
+    assert len(ours) == 1 and "clipped at max_grad_norm=1.0 (the Trainer's default)" in ours[0]
+    assert "max_grad_norm=0" in ours[0]
     assert args.max_grad_norm == 1.0 and trainer.args.max_grad_norm == 0.0  # the caller's args untouched
+    assert trainer.forge_optimizer.max_grad_norm == 1.0 and trainer.forge_optimizer.holds_updates
     assert all("grad_norm" in log for log in step_logs(trainer))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path, max_grad_norm=0.5), train_dataset=dataset())
+    assert not [w for w in caught if "max_grad_norm" in str(w.message)]  # set by the user: nothing to say
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05, 100.0])
+def test_accumulation_and_clipping_match_adamw_torch(tmp_path, max_grad_norm):
+    """gradient_accumulation_steps=2 with and without clipping (active at 0.05, not at 100)
+    against Trainer(adamw_torch) with the same arguments: the same losses, logged norms and
+    weights to fp32 round-off (the stash's one GEMM over both micro-batches against torch's
+    two gradients added: tests/optim/test_accumulation.py)."""
+    options = dict(gradient_accumulation_steps=2, max_grad_norm=max_grad_norm, max_steps=6,
+                   per_device_train_batch_size=2)
+    forge = ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path / "f", **options), train_dataset=dataset())
+    forge.train()
+    plain = Trainer(model=tiny_llama(), args=training_args(tmp_path / "p", "adamw_torch", **options),
+                    train_dataset=dataset())
+    plain.train()
+    forge_logs, plain_logs = step_logs(forge), step_logs(plain)
+    assert len(forge_logs) == len(plain_logs) == 6
+    for a, b in zip(forge_logs, plain_logs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
+    clipped = [log["grad_norm"] > max_grad_norm for log in plain_logs]
+    assert all(clipped) if max_grad_norm == 0.05 else not any(clipped) or max_grad_norm == 0.0
+    for (name, a), b in zip(forge.model.named_parameters(), plain.model.parameters()):
+        assert_close_rel(a.detach(), b.detach(), 1e-4, what=name)
+
+
+def test_accumulation_over_several_processes_is_refused():
+    from forge_hf.integrations.trainer import check_training_arguments
+
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4 with 2 processes .* per_device_train_batch"):
+        check_training_arguments(_guard_args(gradient_accumulation_steps=4, world_size=2))
+
+
+def test_a_given_optimizer_must_hold_as_the_arguments_ask(tmp_path):
+    model = tiny_llama()
+    forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0)
+    optimizer = forge_hf.ForgeOptimizer(model, lr=1e-3)
+    with pytest.raises(ValueError, match=r"accumulate=False, max_grad_norm=0.0, but the arguments ask for "
+                                         r"gradient_accumulation_steps=2.*ForgeOptimizer\(..., accumulate=True"):
+        ForgeTrainer(model=model, args=training_args(tmp_path, gradient_accumulation_steps=2),
+                     train_dataset=dataset(), optimizers=(optimizer, None))
 
 
 # ------------------------------------------------------------- registration

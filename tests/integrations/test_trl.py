@@ -325,3 +325,40 @@ def test_sft_trainer_steps_are_captured_and_follow_the_eager_ones(tmp_path, padd
     for a, b in zip(step_logs(graphed), step_logs(eager), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(b["loss"])
     assert_parameters_follow(graphed.model, eager.model, start)
+
+
+# ---------------------------------------------------- an accumulating TRL trainer
+
+
+class ForgeDPO(forge_hf.ForgeTrainerMixin, trl.DPOTrainer):
+    pass
+
+
+def test_dpo_accumulating_and_clipping_matches_the_plain_dpo_trainer(tmp_path, single_thread):
+    """DPOTrainer through the mixin with gradient_accumulation_steps=2 and an active clip
+    (max_grad_norm=0.5, the gradient's norm about 2): the losses, logged norms and weights of
+    DPOTrainer(adamw_torch) to fp32 round-off."""
+    tokenizer = AutoTokenizer.from_pretrained(SMOKE / "tokenizer")
+    with open(SMOKE / "omi2_mini.jsonl") as f:
+        lines = [json.loads(next(f)) for _ in range(16)]
+    data = Dataset.from_list([{"prompt": r["problem"][:80], "chosen": r["generated_solution"][:60],
+                               "rejected": r["generated_solution"][60:120]} for r in lines])
+    trainers = []
+    for cls, optim in ((ForgeDPO, "forge_adamw"), (trl.DPOTrainer, "adamw_torch")):
+        args = trl.DPOConfig(output_dir=str(tmp_path / optim), optim=optim, use_cpu=True, bf16=False,
+                             optim_args="backend=reference,min_params=0" if optim.startswith("forge_") else None,
+                             max_grad_norm=0.5, max_steps=3, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=1e-3, lr_scheduler_type="constant",
+                             logging_steps=1, save_strategy="no", report_to="none", seed=0, max_length=64,
+                             disable_tqdm=True)
+        trainer = cls(model=tiny_llama(tokenizer), ref_model=tiny_llama(tokenizer), args=args, train_dataset=data,
+                      processing_class=tokenizer)
+        trainer.train()
+        trainers.append(trainer)
+    forge, plain = trainers
+    assert len(forge.forge_report.fused) == 14 and forge.forge_optimizer.holds_updates
+    for a, b in zip(step_logs(forge), step_logs(plain), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and b["grad_norm"] > 0.5
+    for (name, a), b in zip(forge.model.named_parameters(), plain.model.parameters()):
+        assert_close_rel(a.detach(), b.detach(), 1e-4, what=name)

@@ -130,7 +130,6 @@ def test_missing_recipe_file(tmp_path):
     ({"dtype": "float16"}, (), ["dtype='float16'", "dtype: bfloat16", "bf16: true"]),
     ({"forge_min_params": -1}, (), ["forge_min_params: min_params=-1 is not a count", "use an integer >= 0"]),
     ({"adam_beta1": 1.5}, (), ["betas=(1.5, 0.999)"]),
-    ({"gradient_accumulation_steps": 4}, (), ["gradient_accumulation_steps=4", "per_device_train_batch_size"]),
     ({"eval_rows": 0}, (), ["eval_strategy='steps'", "eval_rows"]),
     ({"torch_compile": True, "use_liger_kernel": True}, (), ["torch_compile=True with use_liger_kernel=True",
                                                             "use_liger_kernel=True without torch_compile"]),
