@@ -73,11 +73,11 @@ def _asks_fsdp1(args, accelerator) -> bool:
 
 def check_training_arguments(args, accelerator=None) -> None:
     """Refuse, naming the value and the fix, what a fused step cannot do correctly."""
-    if args.gradient_accumulation_steps > 1 and getattr(args, "world_size", 1) > 1:
+    if args.gradient_accumulation_steps > 1 and is_fsdp2(accelerator):
         raise ValueError(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps} with {args.world_size} processes is not "
-            "supported with forge optimizers yet (a held gradient is not gathered over the ranks): raise "
-            "per_device_train_batch_size instead, or accumulate in one process"
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps} under FSDP2 is not supported with forge "
+            "optimizers yet: raise per_device_train_batch_size instead, or use data parallelism (DDP), where "
+            "forge accumulates exactly"
         )
     if args.fp16:
         raise ValueError(

@@ -40,15 +40,22 @@ class HeldGradient:
         self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens x in, tokens x out) pairs
         self.buffer: torch.Tensor | None = None  # (out, in) fp32
         self.tokens = 0  # tokens held since the last step
+        self.gathered = False  # the stash holds every rank's tokens (data parallel)
 
     @property
     def empty(self) -> bool:
         return not self.stash and self.buffer is None
 
-    def add(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
-        """Hold one backward's contribution ``dy2^T x2``."""
+    def add(self, x2: torch.Tensor, dy2: torch.Tensor, gathered: bool = False) -> None:
+        """Hold one backward's contribution ``dy2^T x2``. ``gathered``: every rank's tokens and
+        this rank's rows of a data-parallel layer, which only a stash holds (its step takes a
+        band of the weight and shares it)."""
+        if gathered and self.mode == "buffer":
+            raise RuntimeError("accumulation='buffer' is not supported with forge's data parallelism: a band of "
+                               "rows is stepped from the gathered tokens; use accumulation='stash' or 'auto'")
+        self.gathered = gathered
         self.tokens += x2.shape[0]
-        past_limit = self.mode == "auto" and self.tokens > stash_limit(x2.shape[1], dy2.shape[1])
+        past_limit = self.mode == "auto" and not gathered and self.tokens > stash_limit(x2.shape[1], dy2.shape[1])
         if self.buffer is None and (self.mode == "buffer" or past_limit):
             self.buffer = torch.zeros(dy2.shape[1], x2.shape[1], dtype=torch.float32, device=x2.device)
             for x, dy in self.stash:

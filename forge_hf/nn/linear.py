@@ -190,12 +190,16 @@ class FusedWeightMixin:
         d = self.__dict__
         held = d.get("forge_held")
         if held is not None:  # the optimizer steps it (held_gradient.py)
-            if self.forge_dp is not None:
-                raise RuntimeError(
-                    f"{self.forge_name}: gradient accumulation and clipping are not supported with forge's "
-                    "data parallelism or FSDP2 yet: train in one process, or with gradient_accumulation_steps=1 "
-                    "and max_grad_norm=0")
-            held.add(x2, dy2)
+            dp = self.forge_dp
+            if dp is not None:  # every rank's tokens now, as a step would take them; this rank's rows held
+                if dp.mode == "fsdp":
+                    raise RuntimeError(
+                        f"{self.forge_name}: gradient accumulation and clipping are not supported inside FSDP2 yet: "
+                        "use forge's data parallelism (DDP), or gradient_accumulation_steps=1 and max_grad_norm=0")
+                x2, dy2 = dp.gather_tokens(x2, dy2)
+                start, stop = dp.rows(self.forge_weight_view().shape[0])
+                dy2 = dy2[:, start:stop]
+            held.add(x2, dy2, gathered=dp is not None)
             d["_forge_updates"] = d.get("_forge_updates", 0) + 1
             return True
         self.forge_fused_step(x2, dy2)
@@ -360,8 +364,9 @@ class FusedWeightMixin:
         self.forge_arm()
         self._forge_anchor = new_anchor(self)  # a copy's own key for the compiled ops
 
-    def forge_fused_step(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
-        """Step the weight with dy2^T x2 (in no-grad mode: forge_consume_gradient)."""
+    def forge_fused_step(self, x2: torch.Tensor, dy2: torch.Tensor, gathered: bool = False) -> None:
+        """Step the weight with dy2^T x2 (in no-grad mode: forge_consume_gradient). Data
+        parallel: ``gathered``, x2 holds every rank's tokens already and dy2 this rank's rows."""
         d = self.__dict__
         rule, group, state = d["forge_rule"], d["forge_group"], d["forge_state"]
         param = d["_parameters"]["weight"]
@@ -371,9 +376,10 @@ class FusedWeightMixin:
             _check_one_process(self)
         start = 0
         if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
-            x2, dy2 = dp.gather_tokens(x2, dy2)
             start, stop = dp.rows(weight.shape[0])
-            dy2 = dy2[:, start:stop]
+            if not gathered:
+                x2, dy2 = dp.gather_tokens(x2, dy2)
+                dy2 = dy2[:, start:stop]
             if dp.mode == "fsdp":  # not a band of the gathered copy: the update must land in the shard
                 weight = param = dp.local_shard()
             else:  # the same band of the parameter itself: its columns when stored (in, out)

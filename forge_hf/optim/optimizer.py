@@ -263,6 +263,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         held = [(p, layer) for p, layer in self._layers.items()
                 if layer.forge_held is not None and not layer.forge_held.empty]
         norm = scale = None
+        if self.max_grad_norm > 0 and any(layer.forge_dp is not None for layer in self._layers.values()):
+            raise RuntimeError(f"max_grad_norm={self.max_grad_norm}: clipping is not supported with forge's data "
+                               "parallelism or FSDP2 yet (the norm is not reduced over the ranks): use max_grad_norm=0")
         if self.max_grad_norm > 0:
             grads = [p.grad for _, p in self._with_grads()]
             sq = torch.zeros((), dtype=torch.float32, device=self._device)
@@ -285,7 +288,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 x2, dy2 = hold.tokens_and_gradients()
                 if scale is not None:  # a bf16 output gradient is rounded once more, scaled
                     dy2 = (dy2.float() * scale.to(dy2.device)).to(dy2.dtype)
-                layer.forge_fused_step(x2, dy2)
+                layer.forge_fused_step(x2, dy2, gathered=hold.gathered)
             hold.clear()
         return norm
 

@@ -408,11 +408,13 @@ def test_accumulation_and_clipping_match_adamw_torch(tmp_path, max_grad_norm):
         assert_close_rel(a.detach(), b.detach(), 1e-4, what=name)
 
 
-def test_accumulation_over_several_processes_is_refused():
+def test_accumulation_under_fsdp2_is_refused():
+    from types import SimpleNamespace
+
     from forge_hf.integrations.trainer import check_training_arguments
 
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=4 with 2 processes .* per_device_train_batch"):
-        check_training_arguments(_guard_args(gradient_accumulation_steps=4, world_size=2))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4 under FSDP2 .* data parallelism"):
+        check_training_arguments(_guard_args(gradient_accumulation_steps=4), SimpleNamespace(is_fsdp2=True))
 
 
 def test_a_given_optimizer_must_hold_as_the_arguments_ask(tmp_path):

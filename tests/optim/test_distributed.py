@@ -114,6 +114,22 @@ def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world,mode", [(2, "sharded"), (3, "sharded"), (2, "replicated"), (3, "replicated")])
+def test_accumulated_steps_match_one_process(world, mode, tmp_path):
+    """Gradient accumulation under forge's data parallelism: each fused layer gathers every
+    rank's tokens at each micro-batch's backward and holds them (its rows of the output
+    gradient); the optimizer step steps its band once. The same as one process accumulating
+    the whole micro-batches."""
+    ranks = _launch(world, mode, tmp_path, "accumulate")
+    model, _ = dp_worker.train_accumulating(world, -1, LOCAL_BATCH, STEPS, mode)
+    single = {k: v.detach() for k, v in model.state_dict().items()}
+    for r in ranks[1:]:
+        for name, w in ranks[0]["weights"].items():
+            assert torch.equal(w, r["weights"][name]), f"replicas differ in {name}"
+    _assert_like_single_process(ranks[0]["weights"], single)
+
+
+@pytest.mark.slow
 def test_ddp_without_forge_data_parallelism_stops_at_the_first_backward(tmp_path):
     """Without enable_data_parallel each rank would step its fused weights from its own batch
     (DDP has no fused gradient to reduce; find_unused_parameters=True only silences DDP's own
@@ -175,19 +191,21 @@ def test_graphed_data_parallel_training_follows_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sharded"])
-def test_forge_trainer_under_torchrun(mode, tmp_path):
-    """ForgeTrainer on 2 gloo processes (batch 1 each) against one process with batch 2."""
+@pytest.mark.parametrize("mode,accumulation", [("sharded", 1), ("sharded", 2)])
+def test_forge_trainer_under_torchrun(mode, accumulation, tmp_path):
+    """ForgeTrainer on 2 gloo processes (batch 1 each) against one process with batch 2,
+    without and with gradient accumulation (accelerate's no_sync for the other gradients)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     script = str(WORKERS / "dp_trainer_script.py")
     single_dir, dp_dir = tmp_path / "single", tmp_path / "dp"
     single_dir.mkdir(), dp_dir.mkdir()
-    one = subprocess.run([sys.executable, script, str(single_dir), "2", mode], env=env,
+    one = subprocess.run([sys.executable, script, str(single_dir), "2", mode, str(accumulation)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
-                          script, str(dp_dir), "1", mode], env=env, capture_output=True, text=True, timeout=300)
+                          script, str(dp_dir), "1", mode, str(accumulation)], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     ranks = [torch.load(dp_dir / f"trainer_rank{r}.pt") for r in range(2)]
     for name, w in ranks[0].items():

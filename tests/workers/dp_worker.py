@@ -5,7 +5,7 @@ reducer "ddp": DDP averages the non-fused gradients, as users train eagerly. red
 broadcast, the non-fused gradients averaged by forge, and after the first step the token
 counts frozen (no count exchange). reducer "graphed": GraphedStep itself, nccl on two GPUs.
 reducer "plain_ddp": DDP without enable_data_parallel, without and with find_unused_parameters,
-which must stop."""
+which must stop. reducer "accumulate": gradient accumulation over micro-batches (train_accumulating)."""
 
 import contextlib
 import os
@@ -65,6 +65,33 @@ def train(world, rank, local_batch, steps, mode, state_precision="fp32", reducer
     return model, opt
 
 
+MICRO = 2  # micro-batches a step of the "accumulate" reducer
+
+
+def train_accumulating(world, rank, local_batch, steps, mode):
+    """MICRO micro-batches a step, held by the fused layers until the optimizer step; DDP
+    reduces the other gradients at the last micro-batch only (no_sync before). rank < 0: one
+    process with the whole global micro-batches."""
+    model = tiny_llama()
+    forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0, lr=1e-3, weight_decay=0.01)
+    runner = model
+    if rank >= 0:
+        enable_data_parallel(model, mode=mode)
+        runner = DistributedDataParallel(model)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01, accumulate=True)
+    for step in range(steps):
+        for micro in range(MICRO):
+            ids = global_batch(MICRO * step + micro, world * local_batch)
+            if rank >= 0:
+                ids = ids[rank * local_batch:(rank + 1) * local_batch]
+            last = micro == MICRO - 1
+            with contextlib.nullcontext() if last or rank < 0 else runner.no_sync():
+                (runner(input_ids=ids, labels=ids).loss / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
 def train_graphed(model, world, rank, local_batch, steps):
     """GraphedStep's data-parallel training: two eager warm-up steps, a capture, replays."""
     opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01)
@@ -108,8 +135,11 @@ def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
         return
-    model, opt = train(world, rank, local_batch, steps, mode, reducer=reducer,
-                       device="cuda" if reducer == "graphed" else "cpu")
+    if reducer == "accumulate":
+        model, opt = train_accumulating(world, rank, local_batch, steps, mode)
+    else:
+        model, opt = train(world, rank, local_batch, steps, mode, reducer=reducer,
+                           device="cuda" if reducer == "graphed" else "cpu")
     fused = forge_hf.optim.optimizer.fused_layers(model)
     state_bytes = sum(m.forge_state.nbytes() for m in fused.values())
     sent = sum(m.forge_dp.bytes_sent for m in fused.values())
