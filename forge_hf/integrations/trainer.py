@@ -220,12 +220,12 @@ class ForgeTrainerMixin:
                                                       if self.forge_config else ()))
         self.callback_handler.callbacks.insert(0, StepOrder(self))  # first: before the callbacks it orders
         # Clipping is the ForgeOptimizer's (max_grad_norm): the Trainer's own would see only the
-        # ordinary gradients. Several processes: not yet, ignored as before, said once.
+        # ordinary gradients. Under FSDP2: not yet, ignored as before, said once.
         self.forge_max_grad_norm = float(self.args.max_grad_norm or 0.0)
-        if self.forge_max_grad_norm > 0 and self.args.world_size > 1:
+        if self.forge_max_grad_norm > 0 and self.forge_fsdp2:
             warnings.warn(
-                f"max_grad_norm={self.args.max_grad_norm} is ignored with {self.args.world_size} processes: forge "
-                "clips in one process only (grad_norm is still logged). Set max_grad_norm=0 to silence this warning.",
+                f"max_grad_norm={self.args.max_grad_norm} is ignored under FSDP2: forge does not clip sharded "
+                "gradients yet (grad_norm is still logged). Set max_grad_norm=0 to silence this warning.",
                 UserWarning, stacklevel=2)
             self.forge_max_grad_norm = 0.0
         elif self.forge_max_grad_norm == DEFAULT_MAX_GRAD_NORM:

@@ -263,14 +263,25 @@ class ForgeOptimizer(torch.optim.Optimizer):
         held = [(p, layer) for p, layer in self._layers.items()
                 if layer.forge_held is not None and not layer.forge_held.empty]
         norm = scale = None
-        if self.max_grad_norm > 0 and any(layer.forge_dp is not None for layer in self._layers.values()):
-            raise RuntimeError(f"max_grad_norm={self.max_grad_norm}: clipping is not supported with forge's data "
-                               "parallelism or FSDP2 yet (the norm is not reduced over the ranks): use max_grad_norm=0")
+        if self.max_grad_norm > 0 and (self._shards or any(layer.forge_dp is not None and layer.forge_dp.mode == "fsdp"
+                                                           for layer in self._layers.values())):
+            raise RuntimeError(f"max_grad_norm={self.max_grad_norm}: clipping is not supported inside FSDP2 yet "
+                               "(its sharded gradients' norm is not reduced here): use max_grad_norm=0")
         if self.max_grad_norm > 0:
-            grads = [p.grad for _, p in self._with_grads()]
+            grads = [p.grad for _, p in self._with_grads()]  # data parallel: DDP's averages, alike on every rank
             sq = torch.zeros((), dtype=torch.float32, device=self._device)
+            bands = {}  # sharded data parallelism: each rank holds its rows' gradient, summed over the ranks
             for _, layer in held:
-                sq += layer.forge_held.squared_norm().to(self._device)
+                part = layer.forge_held.squared_norm().to(self._device)
+                dp = layer.forge_dp
+                if dp is not None and dp.mode == "sharded":
+                    group_sq = bands.setdefault(id(dp.group), [dp.group, torch.zeros_like(sq)])
+                    group_sq[1] += part
+                else:
+                    sq += part
+            for group, part in bands.values():
+                dist.all_reduce(part, group=group)
+                sq += part
             for g in grads:
                 sq += torch.linalg.vector_norm(g, dtype=torch.float32).square().to(self._device)
             norm = sq.sqrt()

@@ -114,14 +114,22 @@ def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,mode", [(2, "sharded"), (3, "sharded"), (2, "replicated"), (3, "replicated")])
-def test_accumulated_steps_match_one_process(world, mode, tmp_path):
+@pytest.mark.parametrize("world,mode,clip", [(2, "sharded", False), (3, "sharded", False), (2, "replicated", False),
+                                             (3, "replicated", False), (2, "sharded", True), (3, "sharded", True),
+                                             (2, "replicated", True)])
+def test_accumulated_steps_match_one_process(world, mode, clip, tmp_path):
     """Gradient accumulation under forge's data parallelism: each fused layer gathers every
     rank's tokens at each micro-batch's backward and holds them (its rows of the output
-    gradient); the optimizer step steps its band once. The same as one process accumulating
-    the whole micro-batches."""
-    ranks = _launch(world, mode, tmp_path, "accumulate")
-    model, _ = dp_worker.train_accumulating(world, -1, LOCAL_BATCH, STEPS, mode)
+    gradient); the optimizer step steps its band once. ``clip``: the whole gradient's norm,
+    the bands' squared sums added over the ranks, clipped at dp_worker.CLIP. The same as one
+    process accumulating the whole micro-batches."""
+    ranks = _launch(world, mode, tmp_path, "accumulate_clip" if clip else "accumulate")
+    max_grad_norm = dp_worker.CLIP if clip else 0.0
+    model, opt = dp_worker.train_accumulating(world, -1, LOCAL_BATCH, STEPS, mode, max_grad_norm=max_grad_norm)
+    if clip:
+        assert min(opt.norms) > dp_worker.CLIP  # the clip is active at every step
+        for r in ranks:
+            assert r["norms"] == pytest.approx(opt.norms, rel=1e-5)
     single = {k: v.detach() for k, v in model.state_dict().items()}
     for r in ranks[1:]:
         for name, w in ranks[0]["weights"].items():

@@ -5,7 +5,8 @@ reducer "ddp": DDP averages the non-fused gradients, as users train eagerly. red
 broadcast, the non-fused gradients averaged by forge, and after the first step the token
 counts frozen (no count exchange). reducer "graphed": GraphedStep itself, nccl on two GPUs.
 reducer "plain_ddp": DDP without enable_data_parallel, without and with find_unused_parameters,
-which must stop. reducer "accumulate": gradient accumulation over micro-batches (train_accumulating)."""
+which must stop. reducer "accumulate": gradient accumulation over micro-batches (train_accumulating);
+"accumulate_clip" the same clipped at CLIP."""
 
 import contextlib
 import os
@@ -68,17 +69,22 @@ def train(world, rank, local_batch, steps, mode, state_precision="fp32", reducer
 MICRO = 2  # micro-batches a step of the "accumulate" reducer
 
 
-def train_accumulating(world, rank, local_batch, steps, mode):
-    """MICRO micro-batches a step, held by the fused layers until the optimizer step; DDP
-    reduces the other gradients at the last micro-batch only (no_sync before). rank < 0: one
-    process with the whole global micro-batches."""
+CLIP = 0.05  # the "accumulate_clip" reducer's max_grad_norm: below the gradients' norms, so active
+
+
+def train_accumulating(world, rank, local_batch, steps, mode, max_grad_norm=0.0):
+    """MICRO micro-batches a step, held by the fused layers until the optimizer step (clipped
+    at ``max_grad_norm``); DDP reduces the other gradients at the last micro-batch only
+    (no_sync before). rank < 0: one process with the whole global micro-batches. The model,
+    its optimizer and each step's gradient norm before clipping."""
     model = tiny_llama()
     forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0, lr=1e-3, weight_decay=0.01)
     runner = model
     if rank >= 0:
         enable_data_parallel(model, mode=mode)
         runner = DistributedDataParallel(model)
-    opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01, accumulate=True)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-3, weight_decay=0.01, accumulate=True, max_grad_norm=max_grad_norm)
+    norms = []
     for step in range(steps):
         for micro in range(MICRO):
             ids = global_batch(MICRO * step + micro, world * local_batch)
@@ -88,7 +94,9 @@ def train_accumulating(world, rank, local_batch, steps, mode):
             with contextlib.nullcontext() if last or rank < 0 else runner.no_sync():
                 (runner(input_ids=ids, labels=ids).loss / MICRO).backward()
         opt.step()
+        norms.append(opt.last_grad_norm.item())
         opt.zero_grad()
+    opt.norms = norms
     return model, opt
 
 
@@ -135,8 +143,9 @@ def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
         return
-    if reducer == "accumulate":
-        model, opt = train_accumulating(world, rank, local_batch, steps, mode)
+    if reducer.startswith("accumulate"):
+        clip = CLIP if reducer == "accumulate_clip" else 0.0
+        model, opt = train_accumulating(world, rank, local_batch, steps, mode, max_grad_norm=clip)
     else:
         model, opt = train(world, rank, local_batch, steps, mode, reducer=reducer,
                            device="cuda" if reducer == "graphed" else "cpu")
@@ -145,6 +154,7 @@ def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
     sent = sum(m.forge_dp.bytes_sent for m in fused.values())
     full_state = opt.state_dict()  # gathers shards: loadable by one process
     torch.save(dict(weights={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                    norms=getattr(opt, "norms", None),
                     state_bytes=state_bytes, bytes_sent=sent, optimizer=full_state if rank == 0 else None),
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
