@@ -19,8 +19,6 @@ attention is not causal keep their mask.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,25 +52,19 @@ def mask_reason(mask: torch.Tensor, labels: torch.Tensor | None) -> str | None:
     return None
 
 
-@functools.cache
-def _causal_reason(model_type: type, flags: tuple) -> str | None:
-    is_encoder_decoder, causal_flags = flags
-    if is_encoder_decoder:
-        return f"{model_type.__name__} is an encoder-decoder"
-    if not causal_flags:
-        return f"{model_type.__name__} has no attention module that says it is causal"
-    if not all(causal_flags):
-        return f"{model_type.__name__} has attention that is not causal (it needs its mask)"
-    return None
-
-
 def causal_reason(model: nn.Module) -> str | None:
     """Why ``model``'s padding mask must stay whatever it marks (None: every attention module
-    of this decoder says ``is_causal``)."""
-    config = getattr(model, "config", None)
-    flags = tuple(bool(m.is_causal) for m in model.modules()
-                  if isinstance(getattr(m, "is_causal", None), bool) and "attention" in type(m).__name__.lower())
-    return _causal_reason(type(model), (bool(getattr(config, "is_encoder_decoder", False)), flags))
+    of this decoder says ``is_causal``). A walk over the modules: callers keep the answer."""
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder"
+    flags = [bool(m.is_causal) for m in model.modules()
+             if isinstance(getattr(m, "is_causal", None), bool) and "attention" in type(m).__name__.lower()]
+    if not flags:
+        return f"{name} has no attention module that says it is causal"
+    if not all(flags):
+        return f"{name} has attention that is not causal (it needs its mask)"
+    return None
 
 
 class PaddingMaskCheck:

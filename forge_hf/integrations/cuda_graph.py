@@ -109,7 +109,7 @@ class TrainerGraph:
             return "the optimizer is not a ForgeOptimizer"
         if optimizer.stop_on_nonfinite:
             return "stop_on_nonfinite=true reads a count on the host inside every step"
-        if getattr(optimizer, "holds_updates", False):
+        if optimizer.holds_updates:
             return ("gradient accumulation and clipping hold the fused updates until the optimizer step, "
                     "which a captured step does not take yet")
         return None

@@ -233,7 +233,8 @@ class ForgeTrainerMixin:
                 f"forge: gradients are clipped at max_grad_norm={DEFAULT_MAX_GRAD_NORM} (the Trainer's default): each "
                 "fused layer then holds its input and output gradient until the optimizer step (their rows stay "
                 "through the backward) and forms its weight gradient once more for the norm. Set max_grad_norm=0 "
-                "for forge's step inside backward, or set it explicitly to keep clipping.", UserWarning, stacklevel=2)
+                "for forge's step inside backward (this note shows whenever max_grad_norm is that default value).",
+                UserWarning, stacklevel=2)
         if self.args.max_grad_norm:
             self.args = copy.copy(self.args)  # the caller's arguments stay as they were
             self.args.max_grad_norm = 0.0
@@ -429,16 +430,22 @@ class ForgeTrainerMixin:
         marks right padding where the model and the loss (``captured``: the captured step's)
         allow it; a captured step's without the varlen kernels' keys its attention ignores."""
         batch, droppable = take_mark(inputs)
-        plain_loss = captured_loss(self)[1] if captured else loss_owner(self) is Trainer
-        if droppable and plain_loss and self._forge_causal():
+        if droppable and self._forge_mask_drops()[captured]:
             batch = without_mask(batch)
         return without_varlen_keys(batch, self.model) if captured else batch
 
-    def _forge_causal(self) -> bool:
-        known = self.__dict__.get("_forge_causal_model")
+    def _forge_mask_drops(self) -> tuple[bool, bool]:
+        """Whether a mask that only marks right padding is dropped (eagerly, captured): decided
+        once per model (a walk over its modules, the loss's owner), not at every step."""
+        known = self.__dict__.get("_forge_mask_drops_for")
         if known is None or known[0] is not self.model:
-            known = self._forge_causal_model = (self.model, causal_reason(self.model) is None)
-        return known[1]
+            causal = self._forge_causal()
+            known = self._forge_mask_drops_for = (self.model, causal and loss_owner(self) is Trainer,
+                                                  causal and captured_loss(self)[1])
+        return known[1], known[2]
+
+    def _forge_causal(self) -> bool:
+        return causal_reason(self.model) is None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._forge_keep_logits()

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from ..core.config import ACCUMULATION_MODES
-
 NORM_CHUNK = 1 << 24  # fp32 entries of the gradient formed at once for a stash's norm
 
 
@@ -34,9 +32,7 @@ class HeldGradient:
     """What one fused layer holds of its weight gradient until the optimizer step."""
 
     def __init__(self, mode: str = "auto"):
-        if mode not in ACCUMULATION_MODES:
-            raise ValueError(f"unknown accumulation={mode!r}: choose one of {list(ACCUMULATION_MODES)}")
-        self.mode = mode
+        self.mode = mode  # ForgeConfig.accumulation, validated there
         self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens x in, tokens x out) pairs
         self.buffer: torch.Tensor | None = None  # (out, in) fp32
         self.tokens = 0  # tokens held since the last step
@@ -67,10 +63,11 @@ class HeldGradient:
             self.stash.append((x2, dy2))
 
     def tokens_and_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stash as one (tokens, in) and one (tokens, out) tensor."""
-        if len(self.stash) == 1:
-            return self.stash[0]
-        return torch.cat([x for x, _ in self.stash]), torch.cat([dy for _, dy in self.stash])
+        """The stash as one (tokens, in) and one (tokens, out) tensor, concatenated once: the
+        clip's norm and the step read the same pair."""
+        if len(self.stash) > 1:
+            self.stash = [(torch.cat([x for x, _ in self.stash]), torch.cat([dy for _, dy in self.stash]))]
+        return self.stash[0]
 
     def squared_norm(self) -> torch.Tensor:
         """The held gradient's squared Frobenius norm, fp32 (0-dim)."""

@@ -292,8 +292,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             hold = layer.forge_held
             if hold.buffer is not None:
                 g = hold.buffer if scale is None else hold.buffer * scale.to(hold.buffer.device)
-                group = next(group for group in self.param_groups if any(q is p for q in group["params"]))
-                p_sq, p_bad = self._step_tensor(p, group, grad=g.t() if layer.forge_transposed else g)
+                p_sq, p_bad = self._step_tensor(p, layer.forge_group, grad=g.t() if layer.forge_transposed else g)
                 layer.forge_stats += torch.stack([p_sq.float(), p_bad.float()]).to(layer.forge_stats.device)
             else:
                 x2, dy2 = hold.tokens_and_gradients()

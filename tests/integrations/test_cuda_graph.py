@@ -429,7 +429,7 @@ def test_static_reasons():
     from forge_hf.integrations.cuda_graph import TrainerGraph
 
     args = types.SimpleNamespace(torch_compile=True, gradient_checkpointing=True)
-    optimizer = types.SimpleNamespace(stop_on_nonfinite=False)
+    optimizer = types.SimpleNamespace(stop_on_nonfinite=False, holds_updates=False)
     trainer = types.SimpleNamespace(args=args, forge_optimizer=optimizer)
     assert TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2)) is None
     optimizer.stop_on_nonfinite = True
