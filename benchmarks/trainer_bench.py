@@ -17,9 +17,9 @@ Arms (any subset, in the order given):
 
 Every arm: bf16 weights, SDPA attention, packed batches of random tokens (or rows of varying
 lengths, padded or flattened: ``Cell``; their rows give the mean step, real tokens a second and
-the share of padding), max_grad_norm=0
-(forge cannot clip; the fused-AdamW arms do not clip either, their fastest setting), a
-callback that synchronises and times each step; the median over the steps after the warm-up,
+the share of padding), max_grad_norm=0 unless --max-grad-norm (clipping, the same on every
+arm), one micro-batch a step unless --accumulation K (K micro-batches of the cell a step), a
+callback that synchronises and times each optimizer step; the median over the steps after the warm-up,
 with the interquartile range, and the arm's peak allocated memory (statistics reset, caches
 emptied between arms; the timed steps' own peak in the note, every step's in the log). A
 captured step allocates nothing while it replays, so its steps' peak is what stays allocated
@@ -30,6 +30,7 @@ table (results_table.py) as the arm ends.
     python benchmarks/trainer_bench.py --arms forge_compile --forge-options recompute_swiglu=true
     python benchmarks/trainer_bench.py --arms adamw_fused,forge_eager --rounds 3 --step-sync off
     python benchmarks/trainer_bench.py --batches 4x128-512 --arms adamw_fused,forge_eager,forge   # SFT-like rows
+    python benchmarks/trainer_bench.py --models llama-3.1-8b --batches 1x512 --accumulation 4 --max-grad-norm 1.0
 
 --forge-options adds forge options (optim_args syntax) to every forge arm; --liger on gives every arm
 the recipes' Liger kernels (ForgeTrainer refuses them with torch_compile). The row's arm names both
@@ -74,6 +75,9 @@ class StepClock:
             def __init__(self):
                 self.times: list[float] = []
                 self.peaks: list[float] = []  # GiB, each step's own peak
+                self.graph = None  # a forge arm's TrainerGraph: which steps captured a graph
+                self.captured: list[bool] = []  # each step's: whether a graph was captured in it
+                self._captures = 0  # captures seen by the last step's end
                 self.before = 0.0  # GiB, the peak before the first step (the model, the Trainer's set-up)
                 self.memory: dict | None = None  # memory_steps: what is alive at each step's peak
                 self.profile = None  # profile_from: the torch.profiler of the steps from then on
@@ -107,6 +111,9 @@ class StepClock:
                     self.times.append((now - self._last) * 1e3)
                     self._last = now
                 self.peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+                captures = len(self.graph.capture_seconds) if self.graph is not None else 0
+                self.captured.append(captures > self._captures)
+                self._captures = captures
                 if len(self.times) <= memory_steps:
                     trace = _device_trace()  # a snapshot of the whole history: taken once a step
                     self._ends.append(len(trace))
@@ -308,20 +315,22 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
     with tempfile.TemporaryDirectory() as out:
         args = (_sft_config if sft else TrainingArguments)(
             output_dir=out, per_device_train_batch_size=cell.batch, max_steps=warmup + steps + profile_steps,
-            learning_rate=2e-5, lr_scheduler_type="constant", max_grad_norm=0.0, bf16=bf16, logging_steps=10_000,
+            learning_rate=2e-5, lr_scheduler_type="constant", bf16=bf16, logging_steps=10_000,
             save_strategy="no", report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"),
             seed=0, optim="forge_adamw" if forge else "adamw_torch_fused",
             optim_args=",".join(filter(None, (f"state_precision={state}",
                                               "cuda_graph=false" if base == "forge_eager" else "", forge_options)))
             if forge else None, **fsdp, **(LIGER if liger else {}), **TRAINING_ARGS,
             **(dict(accelerator_config={"non_blocking": True}, dataloader_pin_memory=True) if non_blocking else {}))
-        data = cell.dataset(cell.batch * (warmup + steps + profile_steps), model.config.vocab_size)
+        micro = TRAINING_ARGS["gradient_accumulation_steps"]
+        data = cell.dataset(cell.batch * micro * (warmup + steps + profile_steps), model.config.vocab_size)
         if sft:  # TRL's collator: padded, or padding-free with --collator flat
             trainer = _sft_trainer(forge, model, args, data, clock)
         else:
             trainer_cls = forge_hf.ForgeTrainer if forge else Trainer
             trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[clock],
                                   **(dict(data_collator=cell.collate) if cell.varies else {}))
+        clock.graph = getattr(trainer, "forge_graph", None)
         trainer.train()
         peak = max(clock.before, *clock.peaks, torch.cuda.max_memory_allocated() / 2**30)
         print(f"{arm}: peak GiB before the steps {clock.before:.2f}, step by step "
@@ -331,6 +340,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
         reserved = torch.cuda.max_memory_reserved() / 2**30
         bucket = trainer.forge_config.graph_bucket if forge and graphs else None
     timed = clock.times[warmup:warmup + steps]  # the profiled steps after them are not timed
+    uncaptured = [t for t, c in zip(timed, clock.captured[warmup:warmup + steps]) if not c]
     if clock.memory is not None:
         details["memory"] = clock.memory
     after_profile = bool(_PROFILED_ARMS)
@@ -354,15 +364,29 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
     step_ms = statistics.median(timed)
     if cell.varies:  # lengths vary from step to step: the mean is the run's pace
         step_ms = statistics.fmean(timed)
-        per_batch = cell.batch * statistics.fmean(len(row) for row in data.rows)
+        per_step = cell.batch * micro * statistics.fmean(len(row) for row in data.rows)  # real tokens a step
         collator = "TRL's collator" + ", padding-free" * (cell.collator == "flat") if sft else \
             f"{cell.collator} collator"
         note = f"mean over steps (lengths vary), median {statistics.median(timed):.1f} ms; " + \
-            f"{per_batch / step_ms:.1f}k real tokens/s; {collator}{cell.padding_note(bucket)}; {note}"
+            f"{per_step / step_ms:.1f}k real tokens/s; {collator}{cell.padding_note(bucket)}; " + \
+            steady_note(uncaptured, len(timed), per_step) + note
     return dict(step_ms=step_ms, spread_ms=q[2] - q[0], peak_gib=peak, note=note)
 
 
-TRAINING_ARGS: dict = {}  # TrainingArguments every arm of this process takes (--gradient-checkpointing)
+# TrainingArguments every arm of this process takes (--gradient-checkpointing, --accumulation, --max-grad-norm)
+TRAINING_ARGS: dict = {"gradient_accumulation_steps": 1, "max_grad_norm": 0.0}
+
+
+def steady_note(uncaptured: list[float], timed: int, per_step: float) -> str:
+    """The pace of the timed steps that captured no graph (a long run's, once every shape is
+    captured), for cells of varying lengths: their mean and real tokens a second."""
+    if len(uncaptured) == timed:
+        return ""
+    if not uncaptured:
+        return f"every one of the {timed} timed steps captured a graph; "
+    mean = statistics.fmean(uncaptured)
+    return (f"the {len(uncaptured)} of {timed} timed steps that captured no graph: mean {mean:.1f} ms, "
+            f"{per_step / mean:.1f}k real tokens/s; ")
 _PROFILED_ARMS: list[str] = []  # arms of this process run under torch.profiler: CUPTI stays loaded after it stops
 
 
@@ -427,6 +451,10 @@ def main() -> None:
                    "(e.g. recompute_swiglu=true)")
     p.add_argument("--gradient-checkpointing", choices=("on", "off"), default="off",
                    help="every arm with TrainingArguments.gradient_checkpointing")
+    p.add_argument("--accumulation", type=int, default=1,
+                   help="every arm with gradient_accumulation_steps: this many micro-batches of the cell a step")
+    p.add_argument("--max-grad-norm", type=float, default=0.0,
+                   help="every arm clips at this global norm (0: no clipping, every arm's fastest setting)")
     p.add_argument("--liger", choices=("on", "off"), default="off",
                    help="every arm with the recipes' Liger kernels (RoPE, RMSNorm, SwiGLU; not its losses)")
     p.add_argument("--step-sync", choices=("on", "off"), default="on",
@@ -463,6 +491,9 @@ def main() -> None:
     SFT["padding_free"] = opts.collator == "flat"
     if opts.gradient_checkpointing == "on":
         TRAINING_ARGS["gradient_checkpointing"] = True
+    if opts.accumulation < 1 or opts.max_grad_norm < 0:
+        p.error(f"--accumulation {opts.accumulation} --max-grad-norm {opts.max_grad_norm}: give 1 or more, 0 or more")
+    TRAINING_ARGS.update(gradient_accumulation_steps=opts.accumulation, max_grad_norm=opts.max_grad_norm)
     rows = []
     for model_name in opts.models.split(","):
         for text in opts.batches.split(","):
@@ -472,6 +503,8 @@ def main() -> None:
                 label = arm_label(arm, opts.forge_options, opts.liger == "on", opts.loss_rows, opts.overlap == "on",
                                   opts.step_sync == "on", opts.non_blocking == "on")
                 label += "+gradient_checkpointing" * (opts.gradient_checkpointing == "on")
+                label += f"+accumulation{opts.accumulation}" * (opts.accumulation > 1)
+                label += f"+clip{opts.max_grad_norm:g}" * (opts.max_grad_norm > 0)
                 cell = Cell(text, opts.collator)
                 row = dict(model=model_name, batch=cell.label, arm=label,
                            tool="trainer_bench")

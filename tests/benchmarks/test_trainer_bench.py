@@ -83,6 +83,35 @@ def test_rounds_interleave_the_arms_a_row_each(trainer_bench, monkeypatch, tmp_p
         trainer_bench.main()
 
 
+def test_accumulation_and_clipping_reach_every_arm_and_its_name(trainer_bench, monkeypatch, tmp_path):
+    """--accumulation 4 --max-grad-norm 1: every arm's TrainingArguments take both, and the row names them."""
+    seen = []
+    monkeypatch.setattr(trainer_bench, "TRAINING_ARGS", dict(trainer_bench.TRAINING_ARGS))
+    monkeypatch.setattr(trainer_bench, "run_arm", lambda arm, *args: seen.append(dict(trainer_bench.TRAINING_ARGS))
+                        or dict(step_ms=1.0, spread_ms=0.0, peak_gib=0.0, note=""))
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr("sys.argv", ["trainer_bench", "--arms", "adamw_fused_compile,forge", "--accumulation", "4",
+                                     "--max-grad-norm", "1", "--table", str(tmp_path / "results.csv"),
+                                     "--out", str(out)])
+    trainer_bench.main()
+    assert [r["arm"] for r in json.loads(out.read_text())] == ["trainer_adamw_fused_compile+accumulation4+clip1",
+                                                               "trainer_forge+accumulation4+clip1"]
+    assert all(a["gradient_accumulation_steps"] == 4 and a["max_grad_norm"] == 1.0 for a in seen)
+    monkeypatch.setattr("sys.argv", ["trainer_bench", "--accumulation", "0"])
+    with pytest.raises(SystemExit):
+        trainer_bench.main()
+
+
+def test_the_steps_that_captured_no_graph_are_reported_apart(trainer_bench):
+    """A cell of varying lengths captures a graph at each new shape's first batch, inside the
+    timed steps: the note gives the pace of the others too (a long run's, once every shape is
+    captured), with their real tokens a second (1000 tokens a batch: k tokens/ms = M/s)."""
+    assert trainer_bench.steady_note([10.0, 20.0], 2, 1000.0) == ""  # no step captured: nothing more to say
+    assert trainer_bench.steady_note([10.0, 30.0], 3, 1000.0) == \
+        "the 2 of 3 timed steps that captured no graph: mean 20.0 ms, 50.0k real tokens/s; "
+    assert trainer_bench.steady_note([], 4, 1000.0) == "every one of the 4 timed steps captured a graph; "
+
+
 def test_cells_of_varying_lengths(trainer_bench):
     """4x8-20: rows of 8 to 20 tokens, padded to each batch's longest row under labels -100, or
     flattened into one row with position_ids; the note's padding shares follow the widths."""
