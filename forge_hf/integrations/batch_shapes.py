@@ -111,14 +111,20 @@ def without_varlen_keys(batch: dict, model: nn.Module) -> dict:
     return {k: v for k, v in batch.items() if k not in VARLEN_KEYS}
 
 
-def pad_to_bucket(batch: dict, multiple: int) -> tuple[dict, str | None]:
-    """The batch with its sequence dimension padded to a multiple of ``multiple`` (exactly, as
-    the module says), and why it was left as it is (None: padded, or already a multiple)."""
+def sequence_length(batch: dict) -> int | None:
+    """The length of the batch's sequence dimension (input_ids' second), None without one."""
     ids = batch.get("input_ids")
-    if multiple <= 1 or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+    return ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
+def pad_to_bucket(batch: dict, multiple: int, at_least: int = 0) -> tuple[dict, str | None]:
+    """The batch with its sequence dimension padded to a multiple of ``multiple``, and to
+    ``at_least`` (exactly, as the module says), and why it was left as it is (None: padded,
+    or already that long)."""
+    length = sequence_length(batch)
+    if length is None or (multiple <= 1 and at_least <= length):
         return batch, None
-    length = ids.shape[1]
-    extra = bucket_length(length, multiple) - length
+    extra = max(bucket_length(length, max(multiple, 1)), at_least) - length
     if extra == 0:
         return batch, None
     if "labels" not in batch:

@@ -9,6 +9,11 @@ a batch of a further shape runs eagerly (said once). ``auto`` (the default) capt
 CUDA device where the step can be captured and warns once why not; ``true`` refuses to train
 eagerly; ``false`` never captures. The design: docs/architecture.md, "CUDA graphs in the
 Trainer".
+
+With ``gradient_accumulation_steps=k`` a step's k micro-batches (the Trainer fetches them
+together) are padded to one shape, the longest one's bucket, and replay a GraphedStep of k
+graphs (optim/graphs.py), the last of which clips and steps. A step whose micro-batches cannot
+take one shape, or that has fewer than k (an epoch's last), runs eagerly as a whole.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from torch import nn
 
 from ..optim.graphs import GraphedStep, StaleGraph
-from .batch_shapes import pad_to_bucket
+from .batch_shapes import bucket_length, pad_to_bucket, sequence_length
 from .captured_loss import captured_loss
 
 EAGER_STEPS = 2  # a run's first steps, eager: the Trainer's own, then a GraphedStep's warm-up
@@ -82,13 +87,19 @@ class TrainerGraph:
 
     overlap = True  # False: the loss waits for the whole step (what benchmarks compare the overlap with)
 
-    def __init__(self, mode: str, graph_bucket: int = 64, max_graphs: int = 8):
+    def __init__(self, mode: str, graph_bucket: int = 64, max_graphs: int = 8, accumulation_steps: int = 1):
         self.mode = mode  # ForgeConfig.cuda_graph, graph_bucket, max_graphs
         self.graph_bucket, self.max_graphs = graph_bucket, max_graphs
+        self.accumulation_steps = accumulation_steps  # TrainingArguments.gradient_accumulation_steps
+        self.window: list = []  # the raw micro-batches of the optimizer step under way (start_window)
+        self.windows_run = 0  # optimizer steps begun with accumulation, eager ones included
+        self._position = 0  # the next micro-batch's place in its window
+        self._plan: tuple | None = None  # (the window's shapes, each micro-batch's inputs); None: eager
         self.off: str | None = "cuda_graph=false" if mode == "false" else None  # why no graph, for the run
         self.steps: dict[tuple, GraphedStep] = {}  # by the shapes of the batches each replays
         self.grad_norms: dict[tuple, torch.Tensor] = {}  # each captured step's grad-norm output
         self.eager: dict[tuple, str] = {}  # shapes whose capture failed, and why
+        self._retried: set[tuple] = set()  # shapes whose capture at their first batch failed once
         self.pool = None  # the memory pool every step captures into
         self.steps_run = 0  # steps seen, eager ones included
         self.capture_seconds: list[float] = []  # the host time of each capture (and its first replay)
@@ -109,9 +120,9 @@ class TrainerGraph:
             return "the optimizer is not a ForgeOptimizer"
         if optimizer.stop_on_nonfinite:
             return "stop_on_nonfinite=true reads a count on the host inside every step"
-        if optimizer.holds_updates:
-            return ("gradient accumulation and clipping hold the fused updates until the optimizer step, "
-                    "which a captured step does not take yet")
+        if optimizer.accumulate != (self.accumulation_steps > 1):
+            return (f"the ForgeOptimizer has accumulate={optimizer.accumulate} but gradient_accumulation_steps="
+                    f"{self.accumulation_steps}")
         return None
 
     def _disable(self, reason: str, warn: bool = True) -> None:
@@ -140,40 +151,54 @@ class TrainerGraph:
             self._launched.join()
             self._launched = None
 
-    def run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
-        """This training step through a graph (its loss), or None: run it eagerly (after
-        the last replay). ``inputs`` is the batch for the model (the trainer's
-        _forge_model_inputs). The next replay joins the last one itself: until then the new batch's
-        checks and copies run beside the last backward."""
+    def start_window(self, batches: list) -> None:
+        """The micro-batches of the next optimizer step, as the Trainer fetched them
+        (get_batch_samples): with accumulation they are brought to one shape together."""
+        self.window, self._position, self._plan = list(batches), 0, None
+
+    def run(self, trainer, model: nn.Module, inputs: dict | None, num_items_in_batch) -> torch.Tensor | None:
+        """This training step (with accumulation: this micro-batch) through a graph (its loss),
+        or None: run it eagerly (after the last replay). ``inputs`` is the batch for the model
+        (the trainer's _forge_model_inputs); with accumulation the window's micro-batches are
+        taken in order instead (start_window). The next replay joins the last one itself: until
+        then the new batch's checks and copies run beside the last backward."""
         self.steps_run += 1
-        loss = self._run(trainer, model, inputs, num_items_in_batch)
+        if self.accumulation_steps > 1:
+            loss = self._run_micro(trainer, model, num_items_in_batch)
+        else:
+            loss = self._run(trainer, model, inputs, num_items_in_batch)
         if loss is None:
             self.join()
         return loss
 
-    def _run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
+    def _ready(self, trainer, model: nn.Module) -> bool:
+        """Whether this run may capture at all (else said once, with the reason)."""
         if self.off is not None:
-            return None
+            return False
         device = next(model.parameters()).device
         if device.type != "cuda":  # auto on a CPU: eager is simply the way, nothing to warn about
             self._disable(f"the model is on {device}, and CUDA graphs need a CUDA device", warn=False)
-            return None
+            return False
         if not self.captured:
             reason = self._static_reason(trainer, model)
             if reason is not None:
                 self._disable(reason)
-                return None
-        if self.steps_run < EAGER_STEPS:  # the Trainer's own first step
-            return None
-        if not model.training:  # a walk over every module: only after an evaluation switched it off
-            model.train()
+                return False
+        return True
+
+    def _prepared(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch, at_least: int = 0) -> dict:
+        """The batch on the device, padded to its bucket (and to ``at_least``), with the loss's normaliser."""
         inputs = trainer._prepare_inputs(inputs)
-        inputs, why_not_padded = pad_to_bucket(inputs, self.graph_bucket)
+        inputs, why_not_padded = pad_to_bucket(inputs, self.graph_bucket, at_least)
         if why_not_padded is not None:
             self._warn_once(f"a batch kept its length ({why_not_padded}): it is captured at that length")
         if num_items_in_batch is not None:
+            device = next(model.parameters()).device
             inputs = {**inputs, NUM_ITEMS: torch.as_tensor(num_items_in_batch, device=device)}
-        shapes = _shapes(inputs)
+        return inputs
+
+    def _step_for(self, trainer, model: nn.Module, shapes: tuple | None) -> GraphedStep | None:
+        """The captured step of these shapes, a new one, or None: eager (said once)."""
         if shapes is None:
             self._disable("a batch holds values that are not tensors")
             return None
@@ -187,27 +212,94 @@ class TrainerGraph:
                 return None
             # the first step's warm-up has run: later shapes capture at their first batch
             step = self._new_step(trainer, model, shapes, warmup_steps=1 if not self.steps else 0)
+        return step
+
+    def _run(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
+        if not self._ready(trainer, model):
+            return None
+        if self.steps_run < EAGER_STEPS:  # the Trainer's own first step
+            return None
+        if not model.training:  # a walk over every module: only after an evaluation switched it off
+            model.train()
+        inputs = self._prepared(trainer, model, inputs, num_items_in_batch)
+        shapes = _shapes(inputs)
+        step = self._step_for(trainer, model, shapes)
+        if step is None:
+            return None
         try:
             return self._through_graph(trainer, step, shapes, inputs)
         except StaleGraph:  # a checkpoint was loaded into the optimizer (or the model moved): capture again
             self.steps, self.grad_norms, self.pool = {}, {}, None
             return None
 
+    def _run_micro(self, trainer, model: nn.Module, num_items_in_batch) -> torch.Tensor | None:
+        """One micro-batch of an accumulated step: the window's plan, made at its first."""
+        position = self._position
+        self._position += 1
+        if position == 0:
+            self.windows_run += 1
+            self._plan = self._plan_window(trainer, model, num_items_in_batch)
+        if self._plan is None:
+            return None
+        shapes, inputs = self._plan
+        step = self.steps.get(shapes)  # a capture that failed earlier in the window dropped it
+        if step is None:
+            self._plan = None
+            return None
+        last = position == self.accumulation_steps - 1
+        try:
+            loss = self._through_graph(trainer, step, shapes, inputs[position], last=last)
+        except StaleGraph:  # checked at a window's first micro-batch: this window runs eagerly
+            self.steps, self.grad_norms, self.pool = {}, {}, None
+            loss = None
+        if loss is None:
+            self._plan = None  # the rest of the window eagerly, from what the graphs before held
+        return loss
+
+    def _plan_window(self, trainer, model: nn.Module, num_items_in_batch) -> tuple | None:
+        """The window's GraphedStep and its micro-batches brought to one shape, or None: the
+        whole window runs eagerly."""
+        if not self._ready(trainer, model) or self.windows_run < EAGER_STEPS:  # the Trainer's own first step
+            return None
+        window = self.window
+        if len(window) != self.accumulation_steps:
+            self._warn_once(f"a step of {len(window)} micro-batches, not gradient_accumulation_steps="
+                            f"{self.accumulation_steps} (an epoch's last), runs eagerly")
+            return None
+        if not model.training:
+            model.train()
+        batches = [trainer._forge_model_inputs(batch, captured=True) for batch in window]
+        lengths = [n for n in map(sequence_length, batches) if n is not None]
+        at_least = bucket_length(max(lengths), max(self.graph_bucket, 1)) if lengths else 0
+        inputs = [self._prepared(trainer, model, batch, num_items_in_batch, at_least) for batch in batches]
+        shapes = {_shapes(batch) for batch in inputs}
+        if len(shapes) != 1:
+            self._warn_once("the micro-batches of a step have different keys or shapes after padding: "
+                            "such a step runs eagerly")
+            return None
+        (shapes,) = shapes
+        return None if self._step_for(trainer, model, shapes) is None else (shapes, inputs)
+
     def _new_step(self, trainer, model: nn.Module, shapes: tuple, warmup_steps: int) -> GraphedStep:
         if self.pool is None:
             self.pool = new_pool()
+        options = dict(accumulation_steps=self.accumulation_steps) if self.accumulation_steps > 1 else {}
         step = self.steps[shapes] = GraphedStep(_forward_module(model), trainer.forge_optimizer,
                                                 loss_fn=self._loss_fn(trainer, model), warmup_steps=warmup_steps,
-                                                pool=self.pool)
+                                                pool=self.pool, **options)
         return step
 
     @staticmethod
     def _describe(shapes) -> str:
         return ", ".join(f"{k} {list(s)}" for k, s, _, _ in shapes)
 
-    def _through_graph(self, trainer, step: GraphedStep, shapes: tuple, inputs: dict) -> torch.Tensor | None:
+    def _through_graph(self, trainer, step: GraphedStep, shapes: tuple, inputs: dict,
+                       last: bool = True) -> torch.Tensor | None:
+        """``inputs`` through ``step``; ``last``: the micro-batch whose graph steps (always, without
+        accumulation)."""
         optimizer = trainer.forge_optimizer
-        capturing = step.graph is None and step.calls >= step.warmup_steps
+        capturing = step.capturing
+        first = step.calls % self.accumulation_steps == 0  # a step's first micro-batch
         started = time.perf_counter()
         try:
             loss = step.launch(inputs)
@@ -218,12 +310,17 @@ class TrainerGraph:
             if not capturing or isinstance(e, StaleGraph):
                 raise
             # something in the step reads the GPU on the host or copies host data to it
-            # (a custom compute_loss, eager attention's mask, ...): nothing was executed
-            if step.warmup_steps == 0:
+            # (a custom compute_loss, eager attention's mask, ...): nothing was executed, and what
+            # the micro-batches before it held is as their replays left it (GraphedStep._capture)
+            if step.warmup_steps == 0 and shapes not in self._retried:
                 # captured at its first batch, it needed what only an eager step of these shapes makes
                 # (a kernel variant for its token count): this batch warms it up, the next one captures
-                step = self._new_step(trainer, step.model, shapes, warmup_steps=1)
-                return self._through_graph(trainer, step, shapes, inputs)
+                self._retried.add(shapes)
+                if first:
+                    step = self._new_step(trainer, step.model, shapes, warmup_steps=1)
+                    return self._through_graph(trainer, step, shapes, inputs, last)
+                del self.steps[shapes]  # a later micro-batch's (the step's own token count): the rest of
+                return None  # this step runs eagerly, and the next step of these shapes captures again
             reason = f"capturing it failed ({str(e).splitlines()[0][:300]})"
             del self.steps[shapes]
             if not self.captured:
@@ -232,10 +329,13 @@ class TrainerGraph:
                 self.eager[shapes] = reason
                 self._warn_once(f"batches of shapes {self._describe(shapes)}: {reason}")
             return None
+        if capturing:
+            self.capture_seconds.append(time.perf_counter() - started)
+        if not last:
+            return loss
         if step.graph is not None:
             if capturing:
                 self.grad_norms[shapes] = optimizer.last_grad_norm
-                self.capture_seconds.append(time.perf_counter() - started)
             optimizer.last_grad_norm = self.grad_norms[shapes]  # another step replaced it
         optimizer.skip_next_step()  # the Trainer's optimizer.step(): already part of this step
         return loss
@@ -248,6 +348,20 @@ class TrainerGraph:
             batch = skip_packing_check(forward, batch)
             num_items = batch.pop(NUM_ITEMS, None)
             with trainer.compute_loss_context_manager():
-                return captured_loss(trainer)[0](forward, batch, num_items_in_batch=num_items)
+                loss = captured_loss(trainer)[0](forward, batch, num_items_in_batch=num_items)
+            if not loss_is_scaled_for_accumulation(trainer, num_items):  # as Trainer.training_step scales it
+                loss = loss / trainer.current_gradient_accumulation_steps
+            return loss
 
         return loss_fn
+
+
+def loss_is_scaled_for_accumulation(trainer, num_items_in_batch) -> bool:
+    """Whether the loss is already a share of the whole step's (Trainer.training_step's test):
+    normalised by ``num_items_in_batch`` in the model or by a compute_loss_func. Else the
+    Trainer divides it by the step's micro-batches."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is not None:
+        return scaled
+    return (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) \
+        or getattr(trainer, "compute_loss_func", None) is not None

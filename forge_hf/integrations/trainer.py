@@ -73,12 +73,6 @@ def _asks_fsdp1(args, accelerator) -> bool:
 
 def check_training_arguments(args, accelerator=None) -> None:
     """Refuse, naming the value and the fix, what a fused step cannot do correctly."""
-    if args.gradient_accumulation_steps > 1 and is_fsdp2(accelerator):
-        raise ValueError(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps} under FSDP2 is not supported with forge "
-            "optimizers yet: raise per_device_train_batch_size instead, or use data parallelism (DDP), where "
-            "forge accumulates exactly"
-        )
     if args.fp16:
         raise ValueError(
             "fp16=True is not supported with forge optimizers: its GradScaler scales the gradients the "
@@ -148,8 +142,9 @@ class ForgeTrainerMixin:
     ForgeOptimizer, logs ``grad_norm`` (from the kernels' squared sums plus the ordinary
     gradients), ``forge_nonfinite_tiles`` and ``forge_fallback_layers`` (fused layers on
     the ordinary optimizer in their last step or for good: each is also logged once per
-    reason, and listed in ``forge_report.fell_back`` while it lasts). Gradients are never
-    clipped: a fused weight is stepped before the whole gradient's norm is known. Under
+    reason, and listed in ``forge_report.fell_back`` while it lasts). ``max_grad_norm`` and
+    ``gradient_accumulation_steps`` are the ForgeOptimizer's (exact: the fused layers hold
+    their gradient until the step, nn/held_gradient.py), under DDP and FSDP2 too. Under
     TRL's trainers the output head stays on the ordinary path (optim/patch.py's TRL_LM_HEAD).
 
     Several processes: forge's data parallelism (optim/distributed.py) under DDP, or, under
@@ -216,19 +211,14 @@ class ForgeTrainerMixin:
                 raise ValueError("optim_args cuda_graph=true is not supported under FSDP2 (its all-gathers and "
                                  "reduce-scatters run outside a captured step): use cuda_graph=auto or false")
             graph_mode = "false"
-        self.forge_graph = TrainerGraph(graph_mode, *((self.forge_config.graph_bucket, self.forge_config.max_graphs)
-                                                      if self.forge_config else ()))
+        buckets = dict(graph_bucket=self.forge_config.graph_bucket, max_graphs=self.forge_config.max_graphs) \
+            if self.forge_config else {}
+        self.forge_graph = TrainerGraph(graph_mode, accumulation_steps=self.args.gradient_accumulation_steps, **buckets)
         self.callback_handler.callbacks.insert(0, StepOrder(self))  # first: before the callbacks it orders
         # Clipping is the ForgeOptimizer's (max_grad_norm): the Trainer's own would see only the
-        # ordinary gradients. Under FSDP2: not yet, ignored as before, said once.
+        # ordinary gradients.
         self.forge_max_grad_norm = float(self.args.max_grad_norm or 0.0)
-        if self.forge_max_grad_norm > 0 and self.forge_fsdp2:
-            warnings.warn(
-                f"max_grad_norm={self.args.max_grad_norm} is ignored under FSDP2: forge does not clip sharded "
-                "gradients yet (grad_norm is still logged). Set max_grad_norm=0 to silence this warning.",
-                UserWarning, stacklevel=2)
-            self.forge_max_grad_norm = 0.0
-        elif self.forge_max_grad_norm == DEFAULT_MAX_GRAD_NORM:
+        if self.forge_max_grad_norm == DEFAULT_MAX_GRAD_NORM:
             warnings.warn(
                 f"forge: gradients are clipped at max_grad_norm={DEFAULT_MAX_GRAD_NORM} (the Trainer's default): each "
                 "fused layer then holds its input and output gradient until the optimizer step (their rows stay "
@@ -447,11 +437,18 @@ class ForgeTrainerMixin:
     def _forge_causal(self) -> bool:
         return causal_reason(self.model) is None
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.forge_graph.start_window(batches)  # with accumulation: one shape for the step's micro-batches
+        return batches, num_items_in_batch
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._forge_keep_logits()
         if self.forge_graph.off is None:
-            loss = self.forge_graph.run(self, model, self._forge_model_inputs(inputs, captured=True),
-                                        num_items_in_batch)
+            # with accumulation the graph takes the micro-batches of its window (get_batch_samples)
+            graph_inputs = self._forge_model_inputs(inputs, captured=True) \
+                if self.forge_graph.accumulation_steps == 1 else None
+            loss = self.forge_graph.run(self, model, graph_inputs, num_items_in_batch)
             if loss is not None:
                 return loss
         inputs = self._forge_model_inputs(inputs)

@@ -84,6 +84,14 @@ class HeldGradient:
     def clear(self) -> None:
         self.stash, self.buffer, self.tokens = [], None, 0
 
+    def snapshot(self) -> tuple:
+        """What it holds now, to go back to (``restore``) should a backward that adds to it not run."""
+        return list(self.stash), self.buffer, self.tokens, self.gathered
+
+    def restore(self, snapshot: tuple) -> None:
+        stash, self.buffer, self.tokens, self.gathered = snapshot
+        self.stash = list(stash)
+
     def nbytes(self) -> int:
         """Bytes held: the stash's rows (a tensor several layers hold counted here too), or the buffer."""
         if self.buffer is not None:

@@ -192,10 +192,7 @@ class FusedWeightMixin:
         if held is not None:  # the optimizer steps it (held_gradient.py)
             dp = self.forge_dp
             if dp is not None:  # every rank's tokens now, as a step would take them; this rank's rows held
-                if dp.mode == "fsdp":
-                    raise RuntimeError(
-                        f"{self.forge_name}: gradient accumulation and clipping are not supported inside FSDP2 yet: "
-                        "use forge's data parallelism (DDP), or gradient_accumulation_steps=1 and max_grad_norm=0")
+                # (FSDP2: the rows of its shard, which the step updates in place)
                 x2, dy2 = dp.gather_tokens(x2, dy2)
                 start, stop = dp.rows(self.forge_weight_view().shape[0])
                 dy2 = dy2[:, start:stop]

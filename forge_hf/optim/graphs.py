@@ -15,12 +15,26 @@ differently under capture (cuBLAS chooses its algorithms with another workspace)
         loss = step(batch)         # a 0-dim tensor; .item() when you want to print it
         scheduler.step()
 
+    step = GraphedStep(model, ForgeOptimizer(model, accumulate=True, max_grad_norm=1.0), accumulation_steps=4)
+    for i, batch in enumerate(micro_batches):
+        loss = step(batch)         # the 4th, 8th, ... call clips and steps
+        if i % 4 == 3:
+            scheduler.step()
+
 Data parallel (``enable_data_parallel``): give every rank's GraphedStep the model itself, not
 DDP(model). The step averages the non-fused gradients itself (``distributed.average_gradients``;
 DDP's reducer is not captured), takes rank 0's weights at construction as DDP does, and
 captures the layers' token and row all-gathers with everything else. Each rank's batches
 must keep one shape, as on one GPU: the token counts exchanged in the warm-up are then
 the counts of every replay.
+
+Gradient accumulation (``GraphedStep(..., accumulation_steps=k)`` with a ForgeOptimizer built
+with ``accumulate=True``): each call is one micro-batch, and the k-th call of each step steps.
+The step is captured as k graphs, one per micro-batch, in one memory pool and replayed in the
+order they were captured: what the fused layers hold between micro-batches (their token stash
+or gradient buffer, held_gradient.py) and the other parameters' gradients stay at the
+addresses the captures gave them, written by the first micro-batch's graph, added to by the
+next, read by the last one, which clips and steps.
 """
 
 from __future__ import annotations
@@ -102,8 +116,18 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+class _Micro:
+    """One captured micro-batch of a step: its graph, inputs, loss and the event after the loss."""
+
+    def __init__(self, inputs: dict):
+        self.inputs = inputs
+        self.graph = torch.cuda.CUDAGraph()
+        self.loss: torch.Tensor | None = None
+        self.loss_ready = torch.cuda.Event(external=True)  # recorded inside the graph, after the loss
+
+
 class GraphedStep:
-    """``GraphedStep(model, optimizer, loss_fn=causal_lm_loss, warmup_steps=2)``.
+    """``GraphedStep(model, optimizer, loss_fn=causal_lm_loss, warmup_steps=2, accumulation_steps=1)``.
 
     ``loss_fn(model, batch)`` returns the loss; the default is ``loss.causal_lm_loss``
     (Hugging Face's causal-LM loss without its fp32 copy of the logits, and without a read
@@ -111,17 +135,18 @@ class GraphedStep:
     tensors to it either: SDPA or flash attention without a padding mask is fine, eager
     attention (its mask comes from the host) is not.
 
-    The first ``warmup_steps`` calls are ordinary eager steps (they compile the kernels and
-    allocate the optimizer state); the next call captures the step and every call from then
-    on replays it. Each call is one training step on its batch, warm-up included; a replay
+    The first ``warmup_steps`` steps are ordinary eager steps (they compile the kernels and
+    allocate the optimizer state); the next one is captured and every one from then on
+    replayed. Each call is one training step on its batch (with ``accumulation_steps``, one
+    micro-batch of it), warm-up included; a replay
     runs on a side stream, and the call orders the current stream after it. ``launch(batch)``
     is the call without that order: its loss is ready once the forward is done, and ``join()``
     orders the current stream after the rest (ForgeTrainer launches, and joins only before
-    what touches the step's tensors, so that its work between steps overlaps the backward). Gradient
-    clipping and accumulation are not part of a forge step, so nothing else runs between
-    backward and ``optimizer.step()``. Changing a learning rate (a scheduler) needs no new
-    capture; loading a checkpoint into the optimizer or moving the model does (a replay
-    checks and refuses): build a new GraphedStep.
+    what touches the step's tensors, so that its work between steps overlaps the backward).
+    Clipping (the ForgeOptimizer's ``max_grad_norm``) is part of ``optimizer.step()``, and so
+    of the captured step. Changing a learning rate (a scheduler) needs no new capture; loading
+    a checkpoint into the optimizer or moving the model does (a replay checks and refuses):
+    build a new GraphedStep.
 
     Args:
         model: the patched model (not a DDP wrapper), on a CUDA device, in train mode.
@@ -131,16 +156,25 @@ class GraphedStep:
             model and optimizer has warmed up already (its kernels compiled, its states allocated).
         pool: a memory pool (``torch.cuda.graph_pool_handle()``) shared with the steps of the
             model's other batch shapes; None: the step's own.
+        accumulation_steps: micro-batches a step (each call one of them; each keeps the shapes
+            of the micro-batch at its place in the captured step); above 1 the optimizer must
+            be built with ``accumulate=True``. Each micro-batch's loss is backpropagated as
+            ``loss_fn`` returns it: divide it by k there for the mean over the step.
     """
 
     def __init__(self, model: nn.Module, optimizer: ForgeOptimizer,
                  loss_fn: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss, warmup_steps: int = 2,
-                 pool: tuple | None = None):
+                 pool: tuple | None = None, accumulation_steps: int = 1):
         if not isinstance(optimizer, ForgeOptimizer):
             raise TypeError(f"GraphedStep needs the model's ForgeOptimizer, got {type(optimizer).__name__}")
         if warmup_steps < 0 or (warmup_steps == 0 and not any(s.allocated for s in optimizer.state.values())):
             raise ValueError(f"warmup_steps={warmup_steps}: an eager step of this model and optimizer must compile "
                              "the kernels and allocate the states before a capture: give warmup_steps >= 1")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps!r}: give the micro-batches a step, an int >= 1")
+        if accumulation_steps > 1 and not optimizer.accumulate:
+            raise ValueError(f"accumulation_steps={accumulation_steps}, but the ForgeOptimizer steps the fused layers "
+                             "in every backward: build it with ForgeOptimizer(model, ..., accumulate=True)")
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise TypeError("GraphedStep takes the model DDP wraps, not the DDP wrapper: DDP's gradient reducer "
                             "is not captured; the graphed step averages the non-fused gradients itself")
@@ -148,9 +182,6 @@ class GraphedStep:
         if len({id(dp.group) for dp in dps}) > 1:
             raise ValueError("the fused layers run data parallel over different process groups: a graphed step "
                              "averages the other gradients over one; call enable_data_parallel once, with one group")
-        if optimizer.holds_updates:
-            raise ValueError("the ForgeOptimizer holds the fused updates until step() (accumulate=True or "
-                             "max_grad_norm > 0), which a graphed step does not capture yet: train eagerly")
         if optimizer.stop_on_nonfinite:
             raise ValueError("stop_on_nonfinite=True reads a count on the host inside step(), which a graph "
                              "cannot: check optimizer.pop_nonfinite_tiles() between steps instead")
@@ -165,16 +196,30 @@ class GraphedStep:
         if self.data_parallel:
             broadcast_parameters(model, self.dp_group)
         self.warmup_steps = int(warmup_steps)
+        self.accumulation_steps = accumulation_steps
         self.pool = pool
-        self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.calls = 0  # micro-batches seen (calls), warm-up included
+        self.micros: list[_Micro] = []  # the captured micro-batches of a step, in order
         self.table: ArgsTable | None = None
-        self.inputs: dict = {}
-        self.loss: torch.Tensor | None = None
-        self.addresses: CapturedAddresses | None = None  # set by the capture
+        self.addresses: CapturedAddresses | None = None  # set by the capture of the step's last micro-batch
         self._device = device
-        self._loss_ready = torch.cuda.Event(external=True)  # recorded inside the graph, after the loss
         self._replaying = False  # a replay the current stream has not been ordered after
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The graph of the step's last micro-batch (the one that steps) once every micro-batch
+        is captured; None before."""
+        return self.micros[-1].graph if self.addresses is not None else None
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """The loss output of the last captured micro-batch's graph."""
+        return self.micros[-1].loss if self.micros else None
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the next call captures (its micro-batch's graph is not captured yet)."""
+        return self.graph is None and self.calls >= self.warmup_steps * self.accumulation_steps
 
     def __call__(self, batch: dict) -> torch.Tensor:
         loss = self.launch(batch)
@@ -186,28 +231,32 @@ class GraphedStep:
         replay runs on the side stream, which the current stream waits for only up to the
         loss. Call ``join()`` before the current stream reads or writes anything else the step
         touches (weights, states, gradients, the grad norm); the next ``launch`` joins first."""
-        if self.graph is None and self.calls < self.warmup_steps:
-            loss = self._eager(batch)
+        index = self.calls % self.accumulation_steps  # this micro-batch's place in its step
+        last = index == self.accumulation_steps - 1
+        if not self.capturing and self.graph is None:
+            loss = self._eager(batch, last)
         else:
             if self.graph is None:
-                self._capture(batch)
-            elif self.addresses.moved():
+                self._capture(batch, index, last)
+            elif index == 0 and self.addresses.moved():
                 raise StaleGraph(
                     "the model's parameters, the optimizer's state tensors or its param groups were replaced "
                     "since the step was captured (optimizer.load_state_dict, model.to, ...): the graph would "
                     "write to memory they no longer own. Build a new GraphedStep after loading or moving.")
-            check_batch(self.inputs, batch)
+            micro = self.micros[index]
+            check_batch(micro.inputs, batch)
             self.join()  # the last replay has read its inputs and arguments: they may be overwritten
             current, side = torch.cuda.current_stream(self._device), _side_stream(self._device)
             for key, value in batch.items():
-                self.inputs[key].copy_(value, non_blocking=True)
-            self.table.refresh()
+                micro.inputs[key].copy_(value, non_blocking=True)
+            if last:
+                self.table.refresh()  # the step's arguments: read by the graph that steps
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                self.graph.replay()
+                micro.graph.replay()
             self._replaying = True
-            current.wait_event(self._loss_ready)  # the loss, not the backward
-            loss = self.loss.clone()  # the next replay overwrites the captured loss
+            current.wait_event(micro.loss_ready)  # the loss, not the backward
+            loss = micro.loss.clone()  # the next replay overwrites the captured loss
         self.calls += 1
         return loss
 
@@ -217,36 +266,46 @@ class GraphedStep:
             torch.cuda.current_stream(self._device).wait_stream(_side_stream(self._device))
             self._replaying = False
 
-    def _eager(self, batch: dict) -> torch.Tensor:
+    def _eager(self, batch: dict, last: bool) -> torch.Tensor:
         # on a side stream, as before any capture (torch.cuda.graphs' warm-up rule)
         side = _side_stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
-            loss = self._step(batch)
-            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._step(batch, last)
+            if last:
+                self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream(self._device).wait_stream(side)
         return loss
 
-    def _step(self, batch: dict) -> torch.Tensor:
-        """What is captured: forward, backward (the fused updates), the non-fused
-        gradients' average over the ranks, the optimizer step."""
+    def _step(self, batch: dict, last: bool = True, loss_ready: torch.cuda.Event | None = None) -> torch.Tensor:
+        """What is captured: forward, backward (the fused updates, or what the fused layers
+        hold), and at a step's last micro-batch the non-fused gradients' average over the
+        ranks and the optimizer step (which clips and steps what was held)."""
         loss = self.loss_fn(self.model, batch)
-        if torch.cuda.is_current_stream_capturing():
-            self._loss_ready.record()  # a node of the graph: its replays let the loss be read early
+        if loss_ready is not None:
+            loss_ready.record()  # a node of the graph: its replays let the loss be read early
         loss.backward()
-        if self.data_parallel:
-            average_gradients(self.model, self.dp_group)
-        self.optimizer.step()
+        if last:
+            if self.data_parallel:
+                average_gradients(self.model, self.dp_group)
+            self.optimizer.step()
         return loss.detach()
 
-    def _capture(self, batch: dict) -> None:
+    def _capture(self, batch: dict, index: int, last: bool) -> None:
+        """Capture micro-batch ``index`` of the step. The micro-batches before it were captured
+        and replayed just before: what they hold (the fused layers' stash, the gradients) is
+        where this graph reads and adds to it."""
         check_tensors(batch)
-        self.inputs = {key: value.clone() for key, value in batch.items()}
-        capacity = sum(len(group["params"]) for group in self.optimizer.param_groups)
-        table = ArgsTable(capacity, self._device)
-        self.optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes
+        if index == 0:
+            self.micros = []
+            capacity = sum(len(group["params"]) for group in self.optimizer.param_groups)
+            self.table = ArgsTable(capacity, self._device)
+            if self.pool is None and self.accumulation_steps > 1:
+                self.pool = torch.cuda.graph_pool_handle()  # one pool for the step's graphs
+            self.optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes
+        micro = _Micro({key: value.clone() for key, value in batch.items()})
         grow_reserved_scratch()  # for layers whose captured steps take the two-pass path, eager ones not
-        graph = torch.cuda.CUDAGraph()
+        held = self.optimizer.held_snapshot()
         torch.cuda.synchronize(self._device)
         if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
             # the eager steps' streams keep a cuBLAS workspace each (64 MiB on Hopper), idle while
@@ -255,13 +314,20 @@ class GraphedStep:
         # Data parallel: NCCL's watchdog thread may still query events of the warm-up's
         # collectives, which a process-wide capture mode would forbid.
         mode = "thread_local" if self.data_parallel else "global"
-        with contextlib.ExitStack() as frozen:
-            for counts in self.token_counts:
-                frozen.enter_context(counts.frozen())
-            with table.recording(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
-                self.loss = self._step(self.inputs)
-        if self.pool is not None:
-            # the gradients the graph writes, in the shared pool: the next step's capture may reuse them
-            self.optimizer.zero_grad(set_to_none=True)
-        self.graph, self.table = graph, table
-        self.addresses = CapturedAddresses(self.model, self.optimizer)
+        try:
+            with contextlib.ExitStack() as frozen:
+                for counts in self.token_counts:
+                    frozen.enter_context(counts.frozen())
+                with self.table.recording(), torch.cuda.graph(micro.graph, pool=self.pool, capture_error_mode=mode):
+                    micro.loss = self._step(micro.inputs, last, micro.loss_ready)
+        except BaseException:
+            # nothing ran: what the earlier micro-batches hold (written by their replays) is what
+            # an eager step goes on from, without what this capture would have added
+            self.optimizer.held_restore(held)
+            raise
+        self.micros.append(micro)
+        if last:
+            if self.pool is not None:
+                # the gradients the graphs write, in the shared pool: the next step's capture may reuse them
+                self.optimizer.zero_grad(set_to_none=True)
+            self.addresses = CapturedAddresses(self.model, self.optimizer)

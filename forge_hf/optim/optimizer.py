@@ -263,30 +263,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
         held = [(p, layer) for p, layer in self._layers.items()
                 if layer.forge_held is not None and not layer.forge_held.empty]
         norm = scale = None
-        if self.max_grad_norm > 0 and (self._shards or any(layer.forge_dp is not None and layer.forge_dp.mode == "fsdp"
-                                                           for layer in self._layers.values())):
-            raise RuntimeError(f"max_grad_norm={self.max_grad_norm}: clipping is not supported inside FSDP2 yet "
-                               "(its sharded gradients' norm is not reduced here): use max_grad_norm=0")
         if self.max_grad_norm > 0:
-            grads = [p.grad for _, p in self._with_grads()]  # data parallel: DDP's averages, alike on every rank
-            sq = torch.zeros((), dtype=torch.float32, device=self._device)
-            bands = {}  # sharded data parallelism: each rank holds its rows' gradient, summed over the ranks
-            for _, layer in held:
-                part = layer.forge_held.squared_norm().to(self._device)
-                dp = layer.forge_dp
-                if dp is not None and dp.mode == "sharded":
-                    group_sq = bands.setdefault(id(dp.group), [dp.group, torch.zeros_like(sq)])
-                    group_sq[1] += part
-                else:
-                    sq += part
-            for group, part in bands.values():
-                dist.all_reduce(part, group=group)
-                sq += part
-            for g in grads:
-                sq += torch.linalg.vector_norm(g, dtype=torch.float32).square().to(self._device)
-            norm = sq.sqrt()
+            norm = self._held_norm(held)
             scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
+            for _, p in self._with_grads():
+                g = p.grad.to_local() if p in self._shards else p.grad  # an FSDP2 shard: its own rows
                 g.mul_(scale.to(g.device))
         for p, layer in held:
             hold = layer.forge_held
@@ -301,6 +282,47 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 layer.forge_fused_step(x2, dy2, gathered=hold.gathered)
             hold.clear()
         return norm
+
+    def _held_norm(self, held) -> torch.Tensor:
+        """The norm of the whole gradient (what ``torch.nn.utils.clip_grad_norm_`` of one
+        process would take): the held fused gradients and the ordinary ones. Parts that
+        each rank holds only its rows of (sharded data parallelism's bands, FSDP2's shards,
+        fused or not) are summed over their process group; whole ones (DDP's averages) are
+        alike on every rank and count once."""
+        sq = torch.zeros((), dtype=torch.float32, device=self._device)
+        by_group = {}  # id(group) -> [group, this rank's squared sum of the rows it holds]
+        for _, layer in held:
+            part = layer.forge_held.squared_norm().to(self._device)
+            dp = layer.forge_dp
+            if dp is not None and dp.mode in SHARDED_MODES:
+                by_group.setdefault(id(dp.group), [dp.group, torch.zeros_like(sq)])[1] += part
+            else:
+                sq += part
+        for _, p in self._with_grads():
+            shards = self._shards.get(p)
+            g = p.grad.to_local() if shards is not None else p.grad
+            part = torch.linalg.vector_norm(g, dtype=torch.float32).square().to(self._device)
+            if shards is not None:
+                by_group.setdefault(id(shards.group), [shards.group, torch.zeros_like(sq)])[1] += part
+            else:
+                sq += part
+        for group, part in by_group.values():  # the same order on every rank: the model's
+            dist.all_reduce(part, group=group)
+            sq += part
+        return sq.sqrt()
+
+    def held_snapshot(self) -> tuple:
+        """What the fused layers hold and which gradient each parameter has: a CUDA-graph
+        capture that fails (it runs nothing) goes back to it with ``held_restore``."""
+        held = {layer: layer.forge_held.snapshot() for layer in self._layers.values() if layer.forge_held is not None}
+        return held, {p: p.grad for p in self.params()}
+
+    def held_restore(self, snapshot: tuple) -> None:
+        held, grads = snapshot
+        for layer, state in held.items():
+            layer.forge_held.restore(state)
+        for p, grad in grads.items():
+            p.grad = grad
 
     def _with_grads(self):
         """(group, parameter) for every parameter that holds a gradient, in param_groups' order."""

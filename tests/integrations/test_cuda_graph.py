@@ -47,15 +47,23 @@ def test_auto_on_a_cpu_trains_eagerly_without_a_warning(tmp_path):
 
 
 class _StandInStep:
-    """GraphedStep's counting without a GPU: warm-up calls, then the call that captures;
-    ``stale``: the replays refuse, as after a checkpoint was loaded; ``fails``: the capture
-    raises, as a step that reads the GPU on the host."""
+    """GraphedStep's counting without a GPU: warm-up calls, then the calls that capture (one a
+    micro-batch with ``accumulation_steps``); ``stale``: the replays refuse, as after a
+    checkpoint was loaded; ``fails``: the capture raises, as a step that reads the GPU on the
+    host; ``fails_at``: only the capture of that micro-batch of a step does."""
 
     fails = False
+    fails_at = None
 
-    def __init__(self, model, optimizer, loss_fn, warmup_steps, pool):
+    def __init__(self, model, optimizer, loss_fn, warmup_steps, pool, accumulation_steps=1):
         self.model, self.optimizer, self.warmup_steps, self.pool = model, optimizer, warmup_steps, pool
+        self.accumulation_steps = accumulation_steps
         self.graph, self.calls, self.stale, self.pending = None, 0, False, False
+        self.lengths = []  # the sequence length of each micro-batch given
+
+    @property
+    def capturing(self):
+        return self.graph is None and self.calls >= self.warmup_steps * self.accumulation_steps
 
     def join(self):
         self.pending = False
@@ -72,11 +80,14 @@ class _StandInStep:
         return loss
 
     def _launch(self, inputs):
-        if self.calls >= self.warmup_steps:
-            if self.fails:
+        index = self.calls % self.accumulation_steps
+        if self.capturing:
+            if self.fails or index == self.fails_at:
                 raise RuntimeError("operation not permitted when stream is capturing")
-            self.graph = "captured"
+            if index == self.accumulation_steps - 1:
+                self.graph = "captured"
             self.length = inputs["input_ids"].shape[1]
+        self.lengths.append(inputs["input_ids"].shape[1])
         self.calls += 1
         return torch.zeros(())
 
@@ -84,7 +95,7 @@ class _StandInStep:
 def _stand_in_graph(monkeypatch, **options):
     """TrainerGraph('auto', **options) with GraphedStep stood in for and the model taken to be
     on a GPU, and a function running one step on a batch of a given length and rows (its loss,
-    or None: eager)."""
+    or None: eager). ``graph.skipped`` counts the optimizer steps a graph took."""
     from forge_hf.integrations import cuda_graph
 
     monkeypatch.setattr(cuda_graph, "GraphedStep", _StandInStep)
@@ -92,9 +103,12 @@ def _stand_in_graph(monkeypatch, **options):
     on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
     model = types.SimpleNamespace(parameters=lambda: iter([on_gpu]), training=True, trained=0)
     model.train = lambda: setattr(model, "training", True) or setattr(model, "trained", model.trained + 1)
-    optimizer = types.SimpleNamespace(last_grad_norm=None, skip_next_step=lambda: None)
-    trainer = types.SimpleNamespace(forge_optimizer=optimizer, _prepare_inputs=lambda inputs: inputs)
+    optimizer = types.SimpleNamespace(last_grad_norm=None)
+    optimizer.skip_next_step = lambda: setattr(graph, "skipped", graph.skipped + 1)
+    trainer = types.SimpleNamespace(forge_optimizer=optimizer, _prepare_inputs=lambda inputs: inputs,
+                                    _forge_model_inputs=lambda inputs, captured: dict(inputs))
     graph = cuda_graph.TrainerGraph("auto", **options)
+    graph.skipped = 0
     monkeypatch.setattr(graph, "_static_reason", lambda trainer, model: None)
     graph.model = model
 
@@ -207,6 +221,111 @@ def test_a_first_capture_that_fails_ends_the_graphs_for_the_run(monkeypatch):
     assert graph.off is not None and run(7) is None and graph.steps == {}
 
 
+@pytest.fixture
+def accumulating(monkeypatch):
+    graph, _ = _stand_in_graph(monkeypatch, accumulation_steps=2, graph_bucket=8)
+    trainer = types.SimpleNamespace(forge_optimizer=types.SimpleNamespace(last_grad_norm=None),
+                                    _prepare_inputs=lambda inputs: inputs,
+                                    _forge_model_inputs=lambda inputs, captured: dict(inputs))
+    trainer.forge_optimizer.skip_next_step = lambda: setattr(graph, "skipped", graph.skipped + 1)
+
+    def window(*lengths, batches=None):
+        """One optimizer step of micro-batches of these lengths (or these ``batches``), as the
+        Trainer runs it: whether each went through a step."""
+        if batches is None:
+            batches = [{key: torch.zeros(1, n, dtype=torch.long) for key in ("input_ids", "labels")} for n in lengths]
+        graph.start_window(batches)
+        return [graph.run(trainer, graph.model, None, None) is not None for _ in batches]
+    return graph, window
+
+
+def test_accumulated_micro_batches_are_padded_to_one_shape_and_replay_one_step(accumulating):
+    """gradient_accumulation_steps=2: a step's micro-batches are padded together to the bucket
+    of the longest (8 tokens); the run's first step is eager, the second warms up through the
+    GraphedStep, the third captures its two graphs, and every step after replays them; the
+    Trainer's optimizer.step() is skipped once a step, after its last micro-batch."""
+    graph, window = accumulating
+    assert window(3, 7) == [False, False]  # the Trainer's own first step
+    assert window(5, 2) == [True, True]  # the warm-up through the step
+    assert window(1, 8) == [True, True]  # the capture
+    assert window(6, 6) == [True, True]
+    (step,) = graph.steps.values()
+    assert step.accumulation_steps == 2 and step.graph == "captured" and step.calls == 6
+    assert step.lengths == [8] * 6 and graph.skipped == 3
+    assert window(9, 3) == [True, True]  # another bucket: 16 tokens, a step of its own, captured at once
+    assert sorted(s.lengths[-1] for s in graph.steps.values()) == [8, 16] and graph.skipped == 4
+
+
+def test_an_accumulated_step_that_cannot_take_one_shape_runs_eagerly_as_a_whole(accumulating):
+    """A window of fewer micro-batches than gradient_accumulation_steps (an epoch's last), or
+    whose micro-batches keep different keys, runs eagerly from its first micro-batch to its
+    last, said once; the steps captured before are untouched and replay after."""
+    graph, window = accumulating
+    for _ in range(3):
+        window(4, 4)
+    (step,) = graph.steps.values()
+    with pytest.warns(UserWarning, match="a step of 1 micro-batches, not gradient_accumulation_steps=2"):
+        assert window(4) == [False]
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.warns(UserWarning, match="different keys or shapes"):
+        assert window(batches=[{"input_ids": ids, "labels": ids}, {"input_ids": ids, "labels": ids,
+                                                                   "attention_mask": ids}]) == [False, False]
+    assert step.calls == 4 and graph.skipped == 2  # the warm-up and the capture
+    assert window(4, 4) == [True, True] and step.calls == 6 and graph.skipped == 3
+
+
+def test_a_capture_failing_within_an_accumulated_step_leaves_the_rest_of_it_eager(accumulating):
+    """The second micro-batch's capture fails: it and the rest of its step run eagerly (from
+    what the first micro-batch's replay holds), the optimizer step is the Trainer's, and, no
+    other step being captured, the run goes on without graphs."""
+    graph, window = accumulating
+    window(4, 4)
+    window(4, 4)
+    _StandInStep.fails_at = 1
+    try:
+        with pytest.warns(UserWarning, match="capturing it failed"):
+            assert window(4, 4) == [True, False]
+    finally:
+        _StandInStep.fails_at = None
+    assert graph.skipped == 1 and graph.off is not None and window(4, 4) == [False, False]
+
+
+def test_a_new_shape_whose_last_micro_batch_fails_to_capture_runs_eagerly_then_captures(accumulating):
+    """A later shape captures at its first step; its last micro-batch, the one that steps all
+    the step's tokens at once, may need a kernel variant no eager step compiled: that step
+    goes on eagerly (which compiles it) and the shape's next step captures. A second failure
+    leaves the shape eager while the others replay."""
+    graph, window = accumulating
+    for _ in range(3):
+        window(4, 4)
+    _StandInStep.fails_at = 1
+    try:
+        assert window(12, 12) == [True, False]  # 16 tokens: a new shape, its last capture fails
+        with pytest.warns(UserWarning, match=r"batches of shapes input_ids \[1, 16\].*capturing it failed"):
+            assert window(12, 12) == [True, False]  # and fails again: that shape stays eager
+    finally:
+        _StandInStep.fails_at = None
+    assert window(12, 12) == [False, False] and window(4, 4) == [True, True] and len(graph.captured) == 1
+    graph, window = accumulating  # the same, with the second attempt succeeding
+    _StandInStep.fails_at = 1
+    try:
+        assert window(20, 20) == [True, False]
+    finally:
+        _StandInStep.fails_at = None
+    assert window(20, 20) == [True, True] and len(graph.captured) == 2
+
+
+def test_the_captured_loss_is_scaled_for_accumulation_as_the_trainer_scales_it():
+    from forge_hf.integrations.cuda_graph import loss_is_scaled_for_accumulation as scaled
+
+    trainer = types.SimpleNamespace(loss_is_scaled_for_ga=None, model_accepts_loss_kwargs=True, compute_loss_func=None)
+    assert scaled(trainer, torch.tensor(12)) and not scaled(trainer, None)
+    trainer.compute_loss_func = lambda *a, **k: None
+    assert scaled(trainer, None)
+    trainer.loss_is_scaled_for_ga = False
+    assert not scaled(trainer, torch.tensor(12))
+
+
 def test_a_step_taken_by_the_graph_is_not_taken_again():
     model = tiny_llama()
     forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0)
@@ -238,10 +357,10 @@ def cuda_llama():
     return tiny_llama().cuda().to(torch.bfloat16)
 
 
-def train(out, mode, callbacks=None, **overrides):
+def train(out, mode, callbacks=None, data=None, **overrides):
     args = cuda_args(out, optim_args=f"state_precision=bf16,min_params=0,cuda_graph={mode}", **overrides)
-    trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=9),
-                           callbacks=callbacks)
+    trainer = ForgeTrainer(model=cuda_llama(), args=args, train_dataset=dataset() if data is None else data,
+                           eval_dataset=dataset(8, seed=9), callbacks=callbacks)
     with sdpa_kernel(SDPBackend.MATH):  # deterministic attention backward
         trainer.train()
     return trainer
@@ -328,6 +447,24 @@ def test_resume_captures_again_and_continues_like_a_straight_run(tmp_path):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
     assert len(resumed.forge_graph.captured) == 1
     assert_parameters_follow(resumed.model, straight.model, start)
+
+
+@pytest.mark.gpu
+def test_accumulated_and_clipped_steps_are_captured_and_follow_the_eager_run(tmp_path):
+    """gradient_accumulation_steps=2 with an active clip: a step's two micro-batches replay two
+    graphs, the second clipping and stepping; each epoch's last step has one micro-batch (five
+    batches an epoch) and runs eagerly, from the same weights and states; the run trains as
+    the eager one does."""
+    start = [p.detach().clone() for p in cuda_llama().parameters()]
+    common = dict(gradient_accumulation_steps=2, max_grad_norm=0.05, data=dataset(2 * 5))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="forge: a step runs eagerly: a step of 1 micro-batches")
+        graphed = train(tmp_path / "g", "auto", **common)
+    eager = train(tmp_path / "e", "false", **common)
+    (step,) = graphed.forge_graph.captured
+    assert len(step.micros) == 2 and step.calls > 4
+    assert all(log["grad_norm"] > 0.05 for log in step_logs(eager))  # the clip is active
+    assert_trains_alike(graphed, eager, start)
 
 
 @pytest.mark.gpu
@@ -425,13 +562,19 @@ def test_gradient_checkpointing_is_captured_and_follows_the_eager_run(tmp_path):
 
 
 def test_static_reasons():
-    """Gradient checkpointing and torch_compile are captured; stop_on_nonfinite reads the host."""
+    """Gradient checkpointing, torch_compile, clipping and accumulation are captured;
+    stop_on_nonfinite reads the host; an optimizer that accumulates otherwise than the
+    arguments say cannot be."""
     from forge_hf.integrations.cuda_graph import TrainerGraph
 
     args = types.SimpleNamespace(torch_compile=True, gradient_checkpointing=True)
-    optimizer = types.SimpleNamespace(stop_on_nonfinite=False, holds_updates=False)
+    optimizer = types.SimpleNamespace(stop_on_nonfinite=False, holds_updates=True, accumulate=False)
     trainer = types.SimpleNamespace(args=args, forge_optimizer=optimizer)
     assert TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2)) is None
+    assert "accumulate=False but gradient_accumulation_steps=2" in \
+        TrainerGraph("auto", accumulation_steps=2)._static_reason(trainer, torch.nn.Linear(2, 2))
+    optimizer.accumulate = True
+    assert TrainerGraph("auto", accumulation_steps=2)._static_reason(trainer, torch.nn.Linear(2, 2)) is None
     optimizer.stop_on_nonfinite = True
     reason = TrainerGraph("auto")._static_reason(trainer, torch.nn.Linear(2, 2))
     assert reason.startswith("stop_on_nonfinite")

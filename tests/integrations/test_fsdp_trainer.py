@@ -24,7 +24,8 @@ from tests.optim.test_fsdp import assert_close, assert_states
 from tests.workers import fsdp_trainer_worker as worker
 
 LOCAL_BATCH = 1
-LAUNCHES = {2: ["full", "sharded", "checkpointed", "trainer_checkpointing", "bf16"], 3: ["sharded"]}
+LAUNCHES = {2: ["full", "sharded", "checkpointed", "trainer_checkpointing", "bf16", "accumulate_clip"],
+            3: ["sharded", "accumulate_clip"]}
 # world 2: torch.distributed.run, FSDP2 from TrainingArguments(fsdp_config=...); world 3: accelerate
 # launch with an FSDP2 config file, FSDP2 from the variables it sets
 ACCELERATE_CONFIG = WORKERS / "accelerate_fsdp2.yaml"
@@ -95,11 +96,13 @@ def one_process(tmp_path_factory, single_thread):
             out = tmp_path_factory.mktemp("one_process")
             args = worker.training_args(out, world * LOCAL_BATCH, optim_extra, device=device, **extra)
             trainer = ForgeTrainer(model=worker.tiny_llama(), args=args,
-                                   train_dataset=worker.dataset(world * LOCAL_BATCH))
+                                   train_dataset=worker.dataset(world * LOCAL_BATCH,
+                                                                extra.get("gradient_accumulation_steps", 1)))
             trainer.train()
             layer_states = [(m.weight.shape[0], m.forge_state.nbytes()) for m in fused_layers(trainer.model).values()]
+            norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
             cache[key] = ({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()},
-                          trainer.forge_optimizer.state_dict(), layer_states)
+                          trainer.forge_optimizer.state_dict(), layer_states, norms)
         return cache[key]
 
     return run
@@ -110,10 +113,11 @@ def one_process(tmp_path_factory, single_thread):
 @pytest.mark.slow
 @pytest.mark.parametrize("world,name", _per_launch())
 def test_fsdp2_trainer_follows_one_process(world, name, launched, one_process):
-    """After STEPS steps the gathered weights are one process's on the concatenated batches,
-    and so are the gathered optimizer states (fp32 states; 8-bit codes are compared through
-    the weights they step). The fused layers step FSDP2's row shards, never hold a gradient,
-    and keep only their rows' states; the optimizer holds the sharded parameters."""
+    """After STEPS steps the gathered weights are one process's on the concatenated batches
+    (accumulated and clipped too), and so are the logged gradient norms and the gathered
+    optimizer states (fp32 states; 8-bit codes are compared through the weights they step).
+    The fused layers step FSDP2's row shards, never hold a gradient, and keep only their
+    rows' states; the optimizer holds the sharded parameters."""
     r = launched(world)[name]
     assert r["fsdp2"] and r["modes"] == ["fsdp"] and r["no_fused_grad"] and r["bound"], r
     assert r["fsdp_from"] == ("accelerate" if world in BY_ACCELERATE_LAUNCH else "TrainingArguments")
@@ -122,7 +126,7 @@ def test_fsdp2_trainer_follows_one_process(world, name, launched, one_process):
     if name == "checkpointed":  # accelerate's fsdp2_apply_ac, the plugin's offload switched on
         assert r["wrappers"] == ["FSDPCheckpointWrapper", "OffloadWrapper"], r["wrappers"]
     _, extra, optim_extra, _ = worker.CASES[name]
-    weights, states, layer_states = one_process(world, optim_extra, **extra)
+    weights, states, layer_states, norms = one_process(world, optim_extra, **extra)
     # rank 0 holds the states of its FSDP2 rows of each fused weight, no more
     rank0 = [chunk_rows(rows, world, 0) for rows, _ in layer_states]
     assert r["state_bytes"] == sum(nbytes * (stop - start) // rows
@@ -139,6 +143,9 @@ def test_fsdp2_trainer_follows_one_process(world, name, launched, one_process):
             bound = 0.05 if key in fused else 0.15
             assert (got_update - ref_update).norm() <= bound * ref_update.norm(), key
         return
+    torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(norms), rtol=1e-4, atol=0)
+    if extra.get("max_grad_norm"):
+        assert min(norms) > extra["max_grad_norm"]  # the clip is active at every step
     for key, ref in weights.items():
         assert_close(r["weights"][key], ref, key)
     if "int8" not in optim_extra:
@@ -259,7 +266,7 @@ def test_world_of_one_on_a_gpu(accelerate_launch, tmp_path, one_process):
         r = results[name]
         assert r["fsdp2"] and r["modes"] == ["fsdp"] and r["no_fused_grad"] and r["bound"], (name, r)
         assert r["fsdp_from"] == ("accelerate" if accelerate_launch else "TrainingArguments")
-        weights, _, _ = one_process(1, worker.CASES[name][2], device="cuda")
+        weights, _, _, _ = one_process(1, worker.CASES[name][2], device="cuda")
         for key, ref in weights.items():
             assert_close(r["weights"][key].cpu(), ref, (name, key))
         if "resumed" in r:

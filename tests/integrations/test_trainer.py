@@ -408,15 +408,6 @@ def test_accumulation_and_clipping_match_adamw_torch(tmp_path, max_grad_norm):
         assert_close_rel(a.detach(), b.detach(), 1e-4, what=name)
 
 
-def test_accumulation_under_fsdp2_is_refused():
-    from types import SimpleNamespace
-
-    from forge_hf.integrations.trainer import check_training_arguments
-
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=4 under FSDP2 .* data parallelism"):
-        check_training_arguments(_guard_args(gradient_accumulation_steps=4), SimpleNamespace(is_fsdp2=True))
-
-
 def test_a_given_optimizer_must_hold_as_the_arguments_ask(tmp_path):
     model = tiny_llama()
     forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0)

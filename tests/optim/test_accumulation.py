@@ -4,7 +4,6 @@ and stepped at ``step()`` against torch.optim on an unpatched copy that sums the
 gradients, with and without clipping, every rule, stash and buffer; fp32 weights and
 state on the reference backend (CPU), to fp32 round-off."""
 
-import types
 
 import pytest
 import torch
@@ -197,18 +196,3 @@ def test_the_triton_backend_holds_and_clips_as_the_reference(accumulation):
     torch.testing.assert_close(triton_norm, norm, rtol=1e-5, atol=0)
     # the kernel's tiles sum the tokens in another order than the reference's GEMM
     assert_models_close(triton, reference, rtol=RTOL_ACCUMULATED["stash"])
-
-
-def test_holding_and_clipping_inside_fsdp2_are_refused():
-    model = odd_llama()
-    patch_model(model, optimizer="adamw", backend="reference", min_params=0)
-    optimizer = ForgeOptimizer(model, lr=1e-3, accumulate=True)
-    layer = model.model.layers[0].mlp.up_proj
-    layer.forge_dp = types.SimpleNamespace(mode="fsdp", wait=lambda: None, announce_tokens=lambda n: None)  # a stand-in
-    ids = batches(1)[0]
-    with pytest.raises(RuntimeError, match="gradient accumulation and clipping are not supported inside FSDP2"):
-        model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.zero_grad()
-    clipping = ForgeOptimizer(model, lr=1e-3, max_grad_norm=1.0)
-    with pytest.raises(RuntimeError, match="max_grad_norm=1.0: clipping is not supported inside FSDP2 yet"):
-        clipping.step()

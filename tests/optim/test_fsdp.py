@@ -107,6 +107,35 @@ def test_sharded_training_follows_one_process(case, launched):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", fsdp_worker.ACCUMULATE_CASES,
+                         ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}-clip{c[3]}")
+def test_accumulated_steps_follow_one_process(case, launched):
+    """Gradient accumulation inside FSDP2: each fused layer gathers every rank's tokens at each
+    micro-batch's backward and holds them for its shard's rows; the optimizer steps each shard
+    once, after clipping the whole gradient (held rows and FSDP2's reduce-scattered shards,
+    their squared sums added over the ranks). The same as one process accumulating the whole
+    micro-batches: bit for bit on the exactly summable layer, to round-off otherwise, the norms too."""
+    world, ranks = launched
+    kind, dtype, precision, max_grad_norm = case
+    got = [r["accumulated"][case] for r in ranks]
+    for r in got:
+        assert r["no_fused_grad"]
+        for name, w in got[0]["weights"].items():
+            assert torch.equal(w, r["weights"][name]), f"ranks gather different {name}"
+        assert r["norms"] == got[0]["norms"]
+    model = fsdp_worker.build(kind, dtype, precision)
+    norms = fsdp_worker.train_accumulating(model, kind, dtype, world, -1, max_grad_norm)
+    torch.testing.assert_close(torch.tensor(got[0]["norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+    if max_grad_norm:
+        assert min(norms) > max_grad_norm  # the clip is active at every step
+    for name, ref in model.state_dict().items():
+        if kind == "exact":
+            assert torch.equal(got[0]["weights"][name], ref), name
+        else:
+            assert_close(got[0]["weights"][name], ref, name)
+
+
+@pytest.mark.slow
 def test_keeping_the_gathered_weight_after_backward_is_refused(launched):
     _, ranks = launched
     for r in ranks:

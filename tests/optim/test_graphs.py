@@ -16,6 +16,7 @@ from forge_hf.core.rules import get_rule, make_group
 from forge_hf.nn.loss import causal_lm_loss
 from forge_hf.optim.graphs import CapturedAddresses, GraphedStep, check_batch
 from forge_hf.optim.optimizer import fused_layers
+from tests.helpers import bf16_ulps_apart
 
 VOCAB, SEQ = 96, 24
 
@@ -60,10 +61,43 @@ def test_graphed_step_refuses_what_it_cannot_replay():
     _, strict = patched("cpu", state_precision="fp32", stop_on_nonfinite=True)
     with pytest.raises(ValueError, match="stop_on_nonfinite=True.*pop_nonfinite_tiles"):
         GraphedStep(model, strict)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"accumulation_steps={bad!r}: give the micro-batches a step"):
+            GraphedStep(model, opt, accumulation_steps=bad)
+    with pytest.raises(ValueError, match=r"accumulation_steps=2, but .*ForgeOptimizer\(model, ..., accumulate=True\)"):
+        GraphedStep(model, opt, accumulation_steps=2)
     for i, group in enumerate(("tokens", "other")):  # as two enable_data_parallel calls leave them
         model.model.layers[i].mlp.down_proj.__dict__["forge_dp"] = SimpleNamespace(group=group)
     with pytest.raises(ValueError, match="data parallel over different process groups.*one group"):
         GraphedStep(model, opt)
+
+
+def test_what_a_failed_capture_added_to_the_held_gradients_is_taken_back():
+    """held_snapshot / held_restore, which GraphedStep wraps around each capture: a backward
+    after the snapshot (a capture runs nothing, but its Python adds to the stash and may give
+    parameters a gradient) is undone, and the step is the one of the first micro-batch alone."""
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    other = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    models = []
+    for undo in (False, True):
+        model, opt = patched("cpu", state_precision="fp32", accumulate=True, max_grad_norm=0.5)
+        for m in fused_layers(model).values():
+            # a stash: an fp32 buffer is added to in place, which a failed capture never runs but
+            # this eager backward does
+            m.forge_held.mode = "stash"
+        causal_lm_loss(model, {"input_ids": ids, "labels": ids}).backward()
+        if undo:
+            snapshot = opt.held_snapshot()
+            grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+            causal_lm_loss(model, {"input_ids": other, "labels": other}).backward()
+            opt.held_restore(snapshot)
+            for p, g in zip(model.parameters(), grads):  # the gradient objects are back; a capture adds nothing to them
+                if g is not None:
+                    p.grad.copy_(g)
+        opt.step()
+        models.append(model)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_graphed_step_refuses_a_ddp_wrapper(tmp_path):
@@ -149,13 +183,47 @@ def parallel_batches(n, dtype):
             for _ in range(n)]
 
 
-def parallel_model(rule, state_precision, dtype):
+def parallel_model(rule, state_precision, dtype, **optimizer_options):
     torch.manual_seed(0)
     model = ParallelLinears().cuda().to(dtype)
     report = forge_hf.patch_model(model, optimizer=rule, state_precision=state_precision, min_params=0, lr=1e-2,
                                   weight_decay=0.1)
     assert len(report.fused) == 3
-    return model, forge_hf.ForgeOptimizer(model)
+    return model, forge_hf.ForgeOptimizer(model, **optimizer_options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,max_grad_norm", [(1, 1.0), (3, 0.0), (2, 1.0)],
+                         ids=["clipped", "accumulated", "accumulated-clipped"])
+def test_clipped_and_accumulated_graphed_steps_follow_eager_steps(k, max_grad_norm):
+    """Clipping and accumulation captured: k graphs a step, one per micro-batch, over 6 steps
+    (one eager warm-up, a capture, replays), the learning rate changed every step. Unclipped,
+    the held tokens are the eager run's and the fused steps are bit for bit; clipped, the norm
+    is formed by GEMMs, which may round otherwise under capture: the norms agree to fp32
+    round-off and the weights to a bf16 step."""
+    eager, eager_opt = parallel_model("adamw", "bf16", torch.bfloat16, accumulate=k > 1, max_grad_norm=max_grad_norm)
+    graphed, graphed_opt = parallel_model("adamw", "bf16", torch.bfloat16, accumulate=k > 1,
+                                          max_grad_norm=max_grad_norm)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (eager_opt, graphed_opt)]
+    step = GraphedStep(graphed, graphed_opt, loss_fn=parallel_loss, warmup_steps=1, accumulation_steps=k)
+    batches = parallel_batches(6 * k, torch.bfloat16)
+    for i in range(6):
+        for batch in batches[i * k:(i + 1) * k]:
+            parallel_loss(eager, batch).backward()
+            step(batch)
+        eager_opt.step()
+        eager_opt.zero_grad(set_to_none=True)
+        for s in scheds:
+            s.step()
+        torch.testing.assert_close(graphed_opt.last_grad_norm, eager_opt.last_grad_norm, rtol=1e-5, atol=0)
+        if max_grad_norm:
+            assert eager_opt.last_grad_norm > max_grad_norm  # the clip is active
+    assert step.graph is not None and len(step.micros) == k and step.calls == 6 * k
+    for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        if max_grad_norm:
+            assert bf16_ulps_apart(a, b).max() <= 1, name
+        else:
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

@@ -52,6 +52,8 @@ CASES = {
     "trainer_checkpointing": ({}, dict(activation_checkpointing=True), "", False),
     # mixed precision: FSDP2 all-gathers bf16 weights, the fused layers step the fp32 shards
     "bf16": ({}, dict(bf16=True), "", False),
+    # exact accumulation (accelerate's no_sync for FSDP2's gradients) and clipping, active at CLIP
+    "accumulate_clip": ({}, dict(gradient_accumulation_steps=2, max_grad_norm=0.05), "", False),
 }
 RESHARD = "sharded"
 OFFLOAD_ENV = "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"  # the plugin's switch for offload_wrapper
@@ -82,8 +84,8 @@ def tiny_llama():
     return small_llama(VOCAB)
 
 
-def dataset(world_batch):
-    ids = torch.randint(0, VOCAB, (STEPS * world_batch, SEQ), generator=torch.Generator().manual_seed(5))
+def dataset(world_batch, accumulation=1):
+    ids = torch.randint(0, VOCAB, (STEPS * accumulation * world_batch, SEQ), generator=torch.Generator().manual_seed(5))
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
@@ -99,10 +101,11 @@ def training_args(out_dir, per_device, optim_extra="", fsdp_extra=None, save=Fal
         fsdp = dict(fsdp=True, ddp_backend="gloo" if device == "cpu" else "nccl",
                     fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], **fsdp_extra})
     backend = "reference" if device == "cpu" else "auto"
+    extra = {"max_grad_norm": 0, **extra}
     return TrainingArguments(output_dir=str(out_dir), optim="forge_adamw", use_cpu=device == "cpu",
                              report_to="none", optim_args=f"backend={backend},min_params=0{optim_extra}",
                              per_device_train_batch_size=per_device, max_steps=STEPS, learning_rate=1e-3,
-                             weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=1, max_grad_norm=0,
+                             weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=1,
                              logging_steps=1, save_strategy="steps" if save else "no", save_steps=SAVE_AT,
                              seed=0, dataloader_num_workers=0, disable_tqdm=True, **fsdp, **extra)
 
@@ -118,7 +121,9 @@ def run_case(name, out_dir, per_device, world, device, reshard_from):
     os.environ[OFFLOAD_ENV] = str(name == "checkpointed").lower()
     args = training_args(os.path.join(out_dir, name), per_device, optim_extra, fsdp_extra, save=resume,
                          device=device, **extra)
-    trainer = forge_hf.ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(world * per_device))
+    accumulation = extra.get("gradient_accumulation_steps", 1)
+    trainer = forge_hf.ForgeTrainer(model=tiny_llama(), args=args,
+                                    train_dataset=dataset(world * per_device, accumulation))
     trainer.train()
     fused = fused_layers(trainer.model)
     result = dict(

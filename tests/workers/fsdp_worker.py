@@ -8,6 +8,8 @@ A case is (model, weight dtype, state precision):
 * "exact": one bias-free linear fed directly with exactly summable tokens and output
   gradients (tests/helpers.exact_inputs), whose weight gradient does not depend on
   summation order: a band must then give the single process's bits.
+
+ACCUMULATE_CASES train the same models with gradient accumulation, clipped or not.
 """
 
 import os
@@ -73,6 +75,45 @@ def train_step(model, opt, kind, step, dtype, world, rank):
     opt.zero_grad()
 
 
+MICRO = 2  # micro-batches an accumulated step
+CLIP = 0.05  # below the "mlp" gradients' norms: the clip is active at every step
+# (kind, weight dtype, state precision, max_grad_norm): accumulated steps, clipped or not; the
+# exactly summable layer unclipped (a norm summed over ranks rounds otherwise than one process's)
+ACCUMULATE_CASES = [("mlp", torch.float32, "fp32", 0.0), ("mlp", torch.float32, "fp32", CLIP),
+                    ("mlp", torch.float32, "al8", CLIP), ("exact", torch.bfloat16, "bf16", 0.0)]
+
+
+def train_accumulating(model, kind, dtype, world, rank, max_grad_norm):
+    """STEPS steps of MICRO micro-batches each, the fused layers holding their gradient until
+    the optimizer step (clipped at ``max_grad_norm``); rank < 0: one process with the whole global
+    micro-batches. Under FSDP2 (rank >= 0) the other
+    gradients reduce-scattered at the last micro-batch only, as accelerate's no_sync does
+    (set_requires_gradient_sync). Returns each step's gradient norm before clipping."""
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01, accumulate=True, max_grad_norm=max_grad_norm)
+    norms = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            x, t = batch(kind, MICRO * step + micro, max(world, 1) * LOCAL_BATCH, dtype)
+            if rank >= 0:
+                x, t = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+                model.set_requires_gradient_sync(micro == MICRO - 1)
+            if kind == "mlp":
+                (((model(x) - t) ** 2).mean() / MICRO).backward()
+            else:
+                model(x).backward(t * world if rank >= 0 else t)
+        opt.step()
+        norms.append(opt.last_grad_norm.item())
+        opt.zero_grad()
+    return norms
+
+
+def run_accumulating(kind, dtype, precision, max_grad_norm, world, rank):
+    model = shard(build(kind, dtype, precision), kind)
+    norms = train_accumulating(model, kind, dtype, world, rank, max_grad_norm)
+    return dict(weights=whole(model), norms=norms,
+                no_fused_grad=all(m.weight.grad is None for m in fused_layers(model).values()))
+
+
 def shard(model, kind):
     # a CPU mesh: fully_shard's default mesh is on the GPU where one is present
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -128,6 +169,7 @@ def main(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {case: run_case(*case, world, rank) for case in CASES}
     results["refused"] = keep_gathered_weight_refused(world, rank)
+    results["accumulated"] = {case: run_accumulating(*case, world, rank) for case in ACCUMULATE_CASES}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
