@@ -118,6 +118,13 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Te
     return torch.mm(a.float(), b.float(), out=out)
 
 
+def addmm_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out`` (fp32) += a @ b, products summed in fp32, in place."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in _HALF_DTYPES:
+        return torch.addmm(out, a, b, torch.float32, out=out)  # cuBLAS adds into out (beta=1)
+    return out.addmm_(a.float(), b.float())
+
+
 def weight_gradient(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
                     scratch: GradientScratch) -> torch.Tensor:
     """dY^T X as an (N, K) fp32 view of the scratch buffer, laid out as ``weight`` is (a

@@ -81,7 +81,10 @@ def test_accumulated_steps_equal_torch_summing_the_gradients(rule, accumulation,
     if max_grad_norm:
         torch.testing.assert_close(optimizer.last_grad_norm, norms[-1], rtol=1e-5, atol=0)
         assert (norms[-1] > max_grad_norm) == (max_grad_norm < 1)  # the clip is active where it should be
-    assert_models_close(model, reference, rtol=RTOL_ACCUMULATED[accumulation])
+    # Adagrad's first step divides a weight's gradient by its own magnitude: where the K
+    # micro-batches' products nearly cancel, the order of their sum moves the update most
+    rtol = RTOL_ACCUMULATED[accumulation] * (2 if rule == "adagrad" else 1)
+    assert_models_close(model, reference, rtol=rtol)
     held = [m.forge_held for m in model.modules() if getattr(m, "forge_held", None) is not None]
     assert held and all(h.empty for h in held)
 
