@@ -263,8 +263,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         held = [(p, layer) for p, layer in self._layers.items()
                 if layer.forge_held is not None and not layer.forge_held.empty]
         norm = scale = None
+        joined: dict = {}  # inputs several layers hold, concatenated once for all of them
         if self.max_grad_norm > 0:
-            norm = self._held_norm(held)
+            norm = self._held_norm(held, joined)
             scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             for _, p in self._with_grads():
                 g = p.grad.to_local() if p in self._shards else p.grad  # an FSDP2 shard: its own rows
@@ -276,14 +277,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 p_sq, p_bad = self._step_tensor(p, layer.forge_group, grad=g.t() if layer.forge_transposed else g)
                 layer.forge_stats += torch.stack([p_sq.float(), p_bad.float()]).to(layer.forge_stats.device)
             else:
-                x2, dy2 = hold.tokens_and_gradients()
-                if scale is not None:  # a bf16 output gradient is rounded once more, scaled
-                    dy2 = (dy2.float() * scale.to(dy2.device)).to(dy2.dtype)
+                x2, dy2 = hold.tokens_and_gradients(joined)
+                if scale is not None:  # the narrower of the two, rounded once more when scaled
+                    if x2.shape[1] < dy2.shape[1]:
+                        x2 = (x2.float() * scale.to(x2.device)).to(x2.dtype)
+                    else:
+                        dy2 = (dy2.float() * scale.to(dy2.device)).to(dy2.dtype)
                 layer.forge_fused_step(x2, dy2, gathered=hold.gathered)
             hold.clear()
         return norm
 
-    def _held_norm(self, held) -> torch.Tensor:
+    def _held_norm(self, held, joined: dict) -> torch.Tensor:
         """The norm of the whole gradient (what ``torch.nn.utils.clip_grad_norm_`` of one
         process would take): the held fused gradients and the ordinary ones. Parts that
         each rank holds only its rows of (sharded data parallelism's bands, FSDP2's shards,
@@ -291,8 +295,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         alike on every rank and count once."""
         sq = torch.zeros((), dtype=torch.float32, device=self._device)
         by_group = {}  # id(group) -> [group, this rank's squared sum of the rows it holds]
+        grams: dict = {}  # the last input's tokens x tokens product, for the layers after it that read it
         for _, layer in held:
-            part = layer.forge_held.squared_norm().to(self._device)
+            part = layer.forge_held.squared_norm(joined, grams).to(self._device)
             dp = layer.forge_dp
             if dp is not None and dp.mode in SHARDED_MODES:
                 by_group.setdefault(id(dp.group), [dp.group, torch.zeros_like(sq)])[1] += part

@@ -142,6 +142,38 @@ def test_auto_moves_from_the_stash_to_the_buffer_past_the_crossover():
     torch.testing.assert_close(stash.squared_norm(), expected.square().sum())
 
 
+@pytest.mark.parametrize("tokens", [30, 300])  # 30: through tokens x tokens products; 300: the gradient's bands
+def test_a_stash_norm_is_the_gradient_norm(tokens, monkeypatch):
+    """The clip's squared norm of a stash, against float64, either way it is formed: below
+    in·out/(in+out) tokens as <X X^T, dY dY^T>, above it from bands of the gradient (here 40 rows)."""
+    monkeypatch.setattr("forge_hf.nn.held_gradient.NORM_CHUNK", 40 * 72)
+    layer_in, layer_out = 72, 96
+    gen = torch.Generator().manual_seed(1)
+    pairs = [(torch.randn(tokens, layer_in, generator=gen), torch.randn(tokens, layer_out, generator=gen))
+             for _ in range(2)]
+    held = HeldGradient("stash")
+    for x, dy in pairs:
+        held.add(x, dy)
+    exact = sum(dy.double().t() @ x.double() for x, dy in pairs).square().sum()
+    torch.testing.assert_close(held.squared_norm().double(), exact, rtol=1e-5, atol=0)
+
+
+def test_an_input_several_layers_hold_is_concatenated_once():
+    """q/k/v's (or gate/up's) input over two micro-batches: one concatenated tensor for every
+    layer that holds it, and one tokens x tokens product of it."""
+    xs = [torch.randn(5, 8), torch.randn(5, 8)]
+    layers = [HeldGradient("stash") for _ in range(3)]
+    for x in xs:
+        for held in layers:
+            held.add(x, torch.randn(5, 64))
+    joined, grams = {}, {}
+    norms = [held.squared_norm(joined, grams) for held in layers]
+    x2 = layers[0].stash[0][0]
+    assert all(held.stash[0][0] is x2 for held in layers) and len(joined) == 1 and grams["rows"] is x2
+    for held, norm in zip(layers, norms):
+        torch.testing.assert_close(norm, (held.stash[0][1].t() @ x2).square().sum())
+
+
 def test_bad_settings_are_refused():
     model = odd_llama()
     patch_model(model, optimizer="adamw", backend="reference", min_params=0)
