@@ -532,8 +532,8 @@ def test_right_padded_batches_replay_bucketed_graphs_and_train_as_the_masked_eag
     eager = train_padded(tmp_path / "e", "false", LENGTHS)  # the batches as collated, masks dropped
     masked = train_padded(tmp_path / "m", "false", LENGTHS, trainer_cls=MaskKept)
     assert graphed.forge_messages == []
-    assert sorted(s.inputs["input_ids"].shape[1] for s in graphed.forge_graph.captured) == [64, 128]
-    assert all("attention_mask" not in s.inputs for s in graphed.forge_graph.captured)
+    assert sorted(s.micros[0].inputs["input_ids"].shape[1] for s in graphed.forge_graph.captured) == [64, 128]
+    assert all("attention_mask" not in s.micros[0].inputs for s in graphed.forge_graph.captured)
     assert_trains_alike(graphed, eager, start)
     # attention's masked and unmasked paths round apart in bf16: the losses agree, step by step
     for a, b in zip(step_logs(graphed), step_logs(masked), strict=True):
@@ -548,7 +548,7 @@ def test_masks_that_must_stay_are_captured_with_them(tmp_path, case):
     graphed = train_padded(tmp_path / "g", "auto", LENGTHS, **options)
     eager = train_padded(tmp_path / "e", "false", LENGTHS, trainer_cls=MaskKept, **options)
     assert graphed.forge_graph.off is None and graphed.forge_graph.captured
-    assert all("attention_mask" in s.inputs for s in graphed.forge_graph.captured)
+    assert all("attention_mask" in s.micros[0].inputs for s in graphed.forge_graph.captured)
     assert_trains_alike(graphed, eager, start)
 
 
