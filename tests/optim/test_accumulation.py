@@ -161,11 +161,11 @@ def test_a_stash_norm_is_the_gradient_norm(tokens, monkeypatch):
 def test_an_input_several_layers_hold_is_concatenated_once():
     """q/k/v's (or gate/up's) input over two micro-batches: one concatenated tensor for every
     layer that holds it, and one tokens x tokens product of it."""
-    xs = [torch.randn(5, 8), torch.randn(5, 8)]
+    xs = [torch.randn(5, 64), torch.randn(5, 64)]  # 10 tokens x (64 + 96) < 64 x 96: through products
     layers = [HeldGradient("stash") for _ in range(3)]
     for x in xs:
         for held in layers:
-            held.add(x, torch.randn(5, 64))
+            held.add(x, torch.randn(5, 96))
     joined, grams = {}, {}
     norms = [held.squared_norm(joined, grams) for held in layers]
     x2 = layers[0].stash[0][0]
