@@ -1,4 +1,4 @@
-"""Issue #46 probe, one GPU call: the fused AdamW step as an epilogue of QuACK's sm90 GEMM
+"""One GPU run: the fused AdamW step as an epilogue of QuACK's sm90 GEMM
 (forge_hf/kernels/cute/) against forge's reference and Triton kernels, then timed against
 cuBLAS's weight gradient over Llama-3.1-8B's linear shapes.
 

@@ -70,7 +70,7 @@ class HeldGradient:
         an input several layers hold (q/k/v's, gate/up's) concatenated once for all of them."""
         if len(self.stash) > 1:
             xs = [x for x, _ in self.stash]
-            key = tuple(id(x) for x in xs)
+            key = tuple(id(x) for x in xs)  # safe: every layer's stash keeps its tensors alive until its turn
             x2 = joined.get(key) if joined is not None else None
             if x2 is None:
                 x2 = torch.cat(xs)
@@ -98,7 +98,7 @@ class HeldGradient:
         band = torch.empty(rows, k, dtype=torch.float32, device=x2.device)
         for r0 in range(0, n, rows):
             # 16-bit rows on the tensor cores, products summed in fp32: the same gradient the
-            # fused kernel forms, at cuBLAS's speed (an fp32 GEMM of them took 4x the step)
+            # fused kernel forms, at cuBLAS's speed (fp32 copies of them would leave the tensor cores)
             g = matmul_fp32(dy2[:, r0:r0 + rows].t(), x2, band[:min(rows, n - r0)]).view(-1)
             total += torch.dot(g, g)
         return total

@@ -70,10 +70,7 @@ def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, 
     for r in ranks[1:]:
         for name, w in ranks[0]["weights"].items():
             assert torch.equal(w, r["weights"][name]), f"replicas differ in {name}"
-    # the one process's layers past the stash limit sum the micro-batches in an fp32 buffer, one
-    # GEMM each, where the ranks' stash sums every gathered token in one: another order, which
-    # Adam's division by sqrt(v) amplifies on ~0.1% of a layer's entries (0.9989 seen at 3 ranks)
-    _assert_like_single_process(ranks[0]["weights"], single, share=0.998)
+    _assert_like_single_process(ranks[0]["weights"], single)
 
     fused = dp_worker.forge_hf.optim.optimizer.fused_layers(model)
     single_state = sum(m.forge_state.nbytes() for m in fused.values())
@@ -139,7 +136,7 @@ def test_accumulated_steps_match_one_process(world, mode, clip, tmp_path):
             assert torch.equal(w, r["weights"][name]), f"replicas differ in {name}"
     # the one process's layers past the stash limit sum the micro-batches in an fp32 buffer, one
     # GEMM each, where the ranks' stash sums every gathered token in one: another order, which
-    # Adam's division by sqrt(v) amplifies on ~0.1% of a layer's entries (0.9989 seen at 3 ranks)
+    # Adam's division by sqrt(v) amplifies on up to ~0.11% of a layer's entries at 3 ranks
     _assert_like_single_process(ranks[0]["weights"], single, share=0.998)
 
 

@@ -1,5 +1,5 @@
 """Weight-gradient kernels on QuACK's Hopper GEMM engine (CuTe DSL): the fused step as a
-GEMM epilogue (issue #46). A prototype beside the Gluon kernels, not yet behind dispatch.
+GEMM epilogue. A prototype beside the Gluon kernels, not yet behind dispatch.
 
 QuACK (`quack-kernels`) and the CuTe DSL (`nvidia-cutlass-dsl`) are optional GPU
 dependencies (`pip install forge-hf[hopper]`): nothing here imports them until

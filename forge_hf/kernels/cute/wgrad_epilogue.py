@@ -1,4 +1,4 @@
-"""The fused step as an epilogue of QuACK's sm90 GEMM (issue #46): dW = dY^T X formed by QuACK's
+"""The fused step as an epilogue of QuACK's sm90 GEMM: dW = dY^T X formed by QuACK's
 persistent warp-specialised wgmma engine (ping-pong: one consumer warpgroup runs its tile's
 epilogue while the other runs MMAs), the rule applied to each accumulator subtile, and only
 the new weight and state tiles stored, in place. Imported only through ``cute.load()``.
