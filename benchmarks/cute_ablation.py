@@ -1,0 +1,120 @@
+"""Where the QuACK fused step's time goes: the fused epilogue beside variants that leave one
+part out (benchmarks/cute_variants.py), on chosen Llama-3.1-8B shapes, timed by CUDA-graph
+replay (median), with QuACK's plain GEMM and cuBLAS as the floor.
+
+  python benchmarks/cute_ablation.py --shapes gate_proj --tokens 2048,4096
+  python benchmarks/cute_ablation.py --epi-tile 64x64 --variants fused_sr,copy_through
+  ncu ... python benchmarks/cute_ablation.py --ncu fused_sr --shapes gate_proj --tokens 2048
+
+Variants: fused_sr / fused_rn (the step, stochastic or nearest rounding), copy_through (its
+loads and stores, no arithmetic), stores_only, weight_only (one load, one store), math_sr /
+math_rn (the rule and roundings, no loads), plain_bf16 (the GEMM alone). --epi-tile overrides
+QuACK's epilogue subtile (M x N) for every kernel of the process; QuACK's disk cache is off so
+an override never meets a kernel built without it. Rows go to the results table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+os.environ["QUACK_CACHE_ENABLED"] = "0"
+
+import torch  # noqa: E402
+
+from cute_probe import CONFIGS, attempt, gpu_ms, layer, say  # noqa: E402
+
+from models import linear_shapes  # noqa: E402
+from results_table import append_rows  # noqa: E402
+
+VARIANTS = ("plain_bf16", "fused_sr", "fused_rn", "copy_through", "stores_only", "weight_only", "math_sr", "math_rn")
+
+
+def launcher(name, W, V, x, dy, w, m, v, args, cfg):
+    """A no-argument call of one variant on this layer's tensors."""
+    n, k = w.shape
+    outs = {"D": w, "exp_avg_new": m, "exp_avg_sq_new": v}
+    scalars = dict(elem=k, k_cols=k, **W.scalar_views(args))
+    kw = dict(config=cfg, tuned=False)
+    calls = {
+        "plain_bf16": lambda: W.wgrad(x, dy, w, cfg),
+        "fused_sr": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=True, cfg=cfg),
+        "fused_rn": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=False, cfg=cfg),
+        "copy_through": lambda: V.copy_through(dy.t(), x, w, out=outs, exp_avg=m, exp_avg_sq=v, **kw),
+        "stores_only": lambda: V.stores_only(dy.t(), x, out=outs, **kw),
+        "weight_only": lambda: V.weight_only(dy.t(), x, w, out={"D": w}, **kw),
+        "math_sr": lambda: V.MATH_ONLY[True](dy.t(), x, out=outs, **scalars, **kw),
+        "math_rn": lambda: V.MATH_ONLY[False](dy.t(), x, out=outs, **scalars, **kw),
+    }
+    return calls[name]
+
+
+def override_epi_tile(spec):
+    """Every kernel built later in this process takes ``spec`` (MxN) as its epilogue subtile."""
+    from quack.gemm_sm90 import GemmSm90
+    tile = tuple(int(d) for d in spec.split("x"))
+    GemmSm90._compute_tile_shape_or_override = staticmethod(lambda *a, **k: tile)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}")
+    ap.add_argument("--shapes", default="gate_proj", help="names from models.linear_shapes('llama-3.1-8b')")
+    ap.add_argument("--tokens", default="2048,4096")
+    ap.add_argument("--config", default="128x128pp", choices=sorted(CONFIGS))
+    ap.add_argument("--epi-tile", default=None, help="MxN epilogue subtile for every kernel (QuACK picks otherwise)")
+    ap.add_argument("--ncu", default=None, metavar="VARIANT", help="launch VARIANT 5 times, untimed, for a profiler")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--table", default=None)
+    opts = ap.parse_args()
+    from forge_hf.kernels import cute
+    W = cute.load()
+    if opts.epi_tile:
+        override_epi_tile(opts.epi_tile)
+    import cute_variants as V
+    cfg = W.config(*CONFIGS[opts.config])
+    wanted = opts.shapes.split(",")
+    shapes = [s for s in linear_shapes("llama-3.1-8b") if any(w in s[0].split("/") for w in wanted)]
+    if opts.ncu:
+        name, n, k, _ = shapes[0]
+        fn = launcher(opts.ncu, W, V, *layer(n, k, int(opts.tokens.split(",")[0])), cfg)
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        say(f"ncu: {opts.ncu} on {name} launched 5 times")
+        return
+    tag = opts.config + (f"_epi{opts.epi_tile}" if opts.epi_tile else "")
+    rows = []
+    for tokens in (int(t) for t in opts.tokens.split(",")):
+        for name, n, k, _ in shapes:
+            tensors = layer(n, k, tokens)
+            x, dy = tensors[0], tensors[1]
+            cublas = gpu_ms(lambda x=x, dy=dy: torch.mm(dy.t(), x))[0]
+            line = [f"{tokens:5d} {name:18s} cublas {cublas:.3f}"]
+            rows.append(dict(model="llama-3.1-8b", batch=f"1x{tokens}", arm=f"cublas_wgrad_{name}", step_ms=cublas,
+                             tool="cute_ablation", note=f"{n}x{k}; CUDA-graph replays, median"))
+            for variant in opts.variants.split(","):
+                started = time.time()
+                fn = launcher(variant, W, V, *tensors, cfg)
+                ms = attempt(f"{variant} {name}@{tokens}", lambda fn=fn: gpu_ms(fn)[0])
+                if ms is None:
+                    continue
+                line.append(f"{variant} {ms:.3f} ({ms / cublas:.2f}x; built+timed {time.time() - started:.0f} s)")
+                rows.append(dict(model="llama-3.1-8b", batch=f"1x{tokens}", arm=f"ablation_cute_{variant}_{tag}_{name}",
+                                 step_ms=ms, tool="cute_ablation",
+                                 note=f"{n}x{k}; {ms / cublas:.3f}x cuBLAS; CUDA-graph replays, median"))
+            say(" | ".join(line))
+            del tensors
+            torch.cuda.empty_cache()
+    if rows:
+        path = append_rows(rows, opts.table or Path(opts.out) / "results.csv")
+        say(f"{len(rows)} rows -> {path}")
+
+
+if __name__ == "__main__":
+    main()
