@@ -9,8 +9,9 @@ replay (median), with QuACK's plain GEMM and cuBLAS as the floor.
 Variants: fused_sr / fused_rn (the step, stochastic or nearest rounding), copy_through (its
 loads and stores, no arithmetic), stores_only, weight_only (one load, one store), math_sr /
 math_rn (the rule and roundings, no loads), plain_bf16 (the GEMM alone). --epi-tile overrides
-QuACK's epilogue subtile (M x N) for every kernel of the process; QuACK's disk cache is off so
-an override never meets a kernel built without it. Rows go to the results table.
+QuACK's epilogue subtile (M x N), --epi-c-stages its epilogue load stages and --cluster the
+cluster shape, for every kernel of the process; QuACK's disk cache is off so an override never
+meets a kernel built without it. Rows go to the results table.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def launcher(name, W, V, x, dy, w, m, v, args, cfg):
     return calls[name]
 
 
+def override_epi_c_stages(stages):
+    """Every kernel built later in this process stages up to ``stages`` epilogue loads (QuACK: 4,
+    more where shared memory is left): the loads issued at the epilogue's start, before any wait."""
+    from quack.gemm_sm90 import GemmSm90
+    GemmSm90.epi_c_stage_base = stages
+
+
 def override_epi_tile(spec):
     """Every kernel built later in this process takes ``spec`` (MxN) as its epilogue subtile."""
     from quack.gemm_sm90 import GemmSm90
@@ -68,6 +76,8 @@ def main():
     ap.add_argument("--tokens", default="2048,4096")
     ap.add_argument("--config", default="128x128pp", choices=sorted(CONFIGS))
     ap.add_argument("--epi-tile", default=None, help="MxN epilogue subtile for every kernel (QuACK picks otherwise)")
+    ap.add_argument("--epi-c-stages", type=int, default=None, help="epilogue load stages for every kernel")
+    ap.add_argument("--cluster", default=None, help="MxN cluster in place of the config's")
     ap.add_argument("--ncu", default=None, metavar="VARIANT", help="launch VARIANT 5 times, untimed, for a profiler")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--table", default=None)
@@ -76,8 +86,13 @@ def main():
     W = cute.load()
     if opts.epi_tile:
         override_epi_tile(opts.epi_tile)
+    if opts.epi_c_stages:
+        override_epi_c_stages(opts.epi_c_stages)
     import cute_variants as V
-    cfg = W.config(*CONFIGS[opts.config])
+    tile_m, tile_n, cluster_m, cluster_n, pingpong = CONFIGS[opts.config]
+    if opts.cluster:
+        cluster_m, cluster_n = (int(d) for d in opts.cluster.split("x"))
+    cfg = W.config(tile_m, tile_n, cluster_m, cluster_n, pingpong)
     wanted = opts.shapes.split(",")
     shapes = [s for s in linear_shapes("llama-3.1-8b") if any(w in s[0].split("/") for w in wanted)]
     if opts.ncu:
@@ -88,7 +103,8 @@ def main():
         torch.cuda.synchronize()
         say(f"ncu: {opts.ncu} on {name} launched 5 times")
         return
-    tag = opts.config + (f"_epi{opts.epi_tile}" if opts.epi_tile else "")
+    tag = opts.config + "".join(f"_{name}{value}" for name, value in (
+        ("epi", opts.epi_tile), ("cstages", opts.epi_c_stages), ("cluster", opts.cluster)) if value)
     rows = []
     for tokens in (int(t) for t in opts.tokens.split(",")):
         for name, n, k, _ in shapes:
