@@ -55,6 +55,19 @@ def launcher(name, W, V, x, dy, w, m, v, args, cfg):
     return calls[name]
 
 
+def kernels_of(fn) -> str:
+    """The kernels one call launches, with their GPU times (torch.profiler): a copy or fill
+    hidden in the call shows here."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return "; ".join(f"{e.name[:60]} {e.device_time / 1e3:.3f} ms" for e in events) or "no kernel seen"
+
+
 def override_epi_c_stages(stages):
     """Every kernel built later in this process stages up to ``stages`` epilogue loads (QuACK: 4,
     more where shared memory is left): the loads issued at the epilogue's start, before any wait."""
@@ -78,6 +91,7 @@ def main():
     ap.add_argument("--epi-tile", default=None, help="MxN epilogue subtile for every kernel (QuACK picks otherwise)")
     ap.add_argument("--epi-c-stages", type=int, default=None, help="epilogue load stages for every kernel")
     ap.add_argument("--cluster", default=None, help="MxN cluster in place of the config's")
+    ap.add_argument("--kernels", action="store_true", help="list the kernels each variant's call launches")
     ap.add_argument("--ncu", default=None, metavar="VARIANT", help="launch VARIANT 5 times, untimed, for a profiler")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--table", default=None)
@@ -121,6 +135,8 @@ def main():
                 if ms is None:
                     continue
                 line.append(f"{variant} {ms:.3f} ({ms / cublas:.2f}x; built+timed {time.time() - started:.0f} s)")
+                if opts.kernels:
+                    say(f"  kernels of {variant}: {attempt('profiler', lambda fn=fn: kernels_of(fn))}")
                 rows.append(dict(model="llama-3.1-8b", batch=f"1x{tokens}", arm=f"ablation_cute_{variant}_{tag}_{name}",
                                  step_ms=ms, tool="cute_ablation",
                                  note=f"{n}x{k}; {ms / cublas:.3f}x cuBLAS; CUDA-graph replays, median"))
