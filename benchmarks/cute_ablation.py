@@ -6,7 +6,8 @@ replay (median), with QuACK's plain GEMM and cuBLAS as the floor.
   python benchmarks/cute_ablation.py --epi-tile 64x64 --variants fused_sr,copy_through
   ncu ... python benchmarks/cute_ablation.py --ncu fused_sr --shapes gate_proj --tokens 2048
 
-Variants: fused_sr / fused_rn (the step, stochastic or nearest rounding), copy_through (its
+Variants: fused_sr / fused_rn (the step, stochastic or nearest rounding; _unrolled: with
+QuACK's own epilogue driver, its subtiles unrolled), copy_through (its
 loads and stores, no arithmetic), stores_only, weight_only (one load, one store), math_sr /
 math_rn (the rule and roundings, no loads), plain_bf16 (the GEMM alone). --epi-tile overrides
 QuACK's epilogue subtile (M x N), --epi-c-stages its epilogue load stages and --cluster the
@@ -33,7 +34,8 @@ from cute_probe import CONFIGS, attempt, gpu_ms, layer, say  # noqa: E402
 from models import linear_shapes  # noqa: E402
 from results_table import append_rows  # noqa: E402
 
-VARIANTS = ("plain_bf16", "fused_sr", "fused_rn", "copy_through", "stores_only", "weight_only", "math_sr", "math_rn")
+VARIANTS = ("plain_bf16", "fused_sr", "fused_rn", "fused_sr_unrolled", "fused_rn_unrolled", "copy_through",
+            "stores_only", "weight_only", "math_sr", "math_rn")
 
 
 def launcher(name, W, V, x, dy, w, m, v, args, cfg):
@@ -46,6 +48,8 @@ def launcher(name, W, V, x, dy, w, m, v, args, cfg):
         "plain_bf16": lambda: W.wgrad(x, dy, w, cfg),
         "fused_sr": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=True, cfg=cfg),
         "fused_rn": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=False, cfg=cfg),
+        "fused_sr_unrolled": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=True, cfg=cfg, rolled=False),
+        "fused_rn_unrolled": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=False, cfg=cfg, rolled=False),
         "copy_through": lambda: V.copy_through(dy.t(), x, w, out=outs, exp_avg=m, exp_avg_sq=v, **kw),
         "stores_only": lambda: V.stores_only(dy.t(), x, out=outs, **kw),
         "weight_only": lambda: V.weight_only(dy.t(), x, w, out={"D": w}, **kw),

@@ -37,6 +37,7 @@ from quack.gemm_config import GemmConfig
 
 from ...core import rounding, rules
 from ...core.rules import NUM_SCALARS, RULES, bind_update
+from .rolled import rolled_epilogue
 
 # ------------------------------------------------------------------ exact fp32 arithmetic
 
@@ -211,12 +212,13 @@ SCALAR_NAMES = tuple(f"c{i}" for i in range(NUM_SCALARS))
 INT_OPS = {name: Scalar(name, dtype=Int32) for name in ("step", "salt", "row0", "k_cols")}
 
 
-def _adamw_epilogue(stochastic: bool):
-    """AdamW with bf16 weight and bf16 moments (c: the weight as QuACK's C operand)."""
+def _adamw_epilogue(stochastic: bool, rolled: bool):
+    """AdamW with bf16 weight and bf16 moments (c: the weight as QuACK's C operand); ``rolled``:
+    its subtiles as a loop (rolled.py), else unrolled as QuACK's driver does."""
     update = RULE_UPDATES["adamw"]
+    epilogue = rolled_epilogue if rolled else gemm_epilogue
 
-    @gemm_epilogue(outputs=("exp_avg_new", "exp_avg_sq_new"),
-                   ops={"elem": ElementIndex("elem"), **INT_OPS})
+    @epilogue(outputs=("exp_avg_new", "exp_avg_sq_new"), ops={"elem": ElementIndex("elem"), **INT_OPS})
     def adamw_bf16(acc, c, exp_avg, exp_avg_sq, elem, c0, c1, c2, c3, c4, c5, c6,
                    step, salt, row0, k_cols):
         zero = Exact(0.0)
@@ -233,7 +235,8 @@ def _adamw_epilogue(stochastic: bool):
     return adamw_bf16
 
 
-ADAMW_BF16 = {True: _adamw_epilogue(True), False: _adamw_epilogue(False)}
+ADAMW_BF16 = {True: _adamw_epilogue(True, False), False: _adamw_epilogue(False, False)}
+ADAMW_BF16_ROLLED = {True: _adamw_epilogue(True, True), False: _adamw_epilogue(False, True)}
 
 
 @gemm_epilogue()
@@ -244,12 +247,13 @@ def plain_wgrad(acc):
 
 # ------------------------------------------------------------------ host side
 
-# QuACK's sm90 default (128 x 192 tiles, 2 x 1 clusters, ping-pong); the probe times others
-DEFAULT_CONFIG = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True,
+# 128 x 128 tiles, 2 x 1 clusters, ping-pong: QuACK's sm90 default tile (128 x 192) leaves the
+# fused epilogue fewer registers beside the accumulator and measured slower; the probe times others
+DEFAULT_CONFIG = GemmConfig(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1, pingpong=True,
                             is_dynamic_persistent=False)
 
 
-def config(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True) -> GemmConfig:
+def config(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1, pingpong=True) -> GemmConfig:
     return GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, cluster_n=cluster_n,
                       pingpong=pingpong, is_dynamic_persistent=False)
 
@@ -277,11 +281,12 @@ def _check(x, dy, weight, slots):
         raise ValueError(f"TMA needs 16-byte strides: out ({N}) and in ({K}) features multiples of 8")
 
 
-def fused_adamw_bf16(x, dy, weight, exp_avg, exp_avg_sq, args, stochastic=True, cfg=None):
+def fused_adamw_bf16(x, dy, weight, exp_avg, exp_avg_sq, args, stochastic=True, cfg=None, rolled=True):
     """One AdamW step of a bf16 weight with bf16 moments, all updated in place: x (T, K),
-    dy (T, N), weight and moments (N, K) row-major, args the launch's int32 row."""
+    dy (T, N), weight and moments (N, K) row-major, args the launch's int32 row; ``rolled``
+    runs the epilogue's subtiles as a loop (rolled.py)."""
     _check(x, dy, weight, (exp_avg, exp_avg_sq))
-    ADAMW_BF16[bool(stochastic)](
+    (ADAMW_BF16_ROLLED if rolled else ADAMW_BF16)[bool(stochastic)](
         dy.t(), x, weight, out={"D": weight, "exp_avg_new": exp_avg, "exp_avg_sq_new": exp_avg_sq},
         config=cfg or DEFAULT_CONFIG, tuned=False,
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, elem=weight.shape[1], k_cols=weight.shape[1],
