@@ -48,6 +48,16 @@ def _asm(ptx: str, constraints: str, values, loc, ip, result=None):
                            has_side_effects=False, is_align_stack=False)
 
 
+def _binary(op: str):
+    """``op``.f32 of two fp32 values as one PTX instruction (a static method of Ptx)."""
+    @dsl_user_op
+    def apply(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+        return Float32(_asm(f"{op}.f32 $0, $1, $2;", "=f,f,f", (a, b), loc, ip))
+
+    apply.__name__ = op.replace(".", "_")
+    return staticmethod(apply)
+
+
 class Ptx:
     """The epilogues' PTX instructions, reached only as attributes of ``PTX`` (an instance).
 
@@ -65,27 +75,13 @@ class Ptx:
     def __quack_semantic_key__(self):
         return ("forge_hf.kernels.cute", SOURCE_DIGEST)
 
-    @staticmethod
-    @dsl_user_op
-    def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-        return Float32(_asm("mul.rn.f32 $0, $1, $2;", "=f,f,f", (a, b), loc, ip))
-
-    @staticmethod
-    @dsl_user_op
-    def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-        return Float32(_asm("add.rn.f32 $0, $1, $2;", "=f,f,f", (a, b), loc, ip))
-
-    @staticmethod
-    @dsl_user_op
-    def sub_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-        return Float32(_asm("sub.rn.f32 $0, $1, $2;", "=f,f,f", (a, b), loc, ip))
+    mul_rn = _binary("mul.rn")
+    add_rn = _binary("add.rn")
+    sub_rn = _binary("sub.rn")
 
     # Division and square root as Triton 3.6 lowers them (div.full, sqrt.approx.ftz): the other
     # kernels' bits, and far fewer instructions than the IEEE forms
-    @staticmethod
-    @dsl_user_op
-    def div_full(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-        return Float32(_asm("div.full.f32 $0, $1, $2;", "=f,f,f", (a, b), loc, ip))
+    div_full = _binary("div.full")
 
     @staticmethod
     @dsl_user_op
@@ -247,15 +243,15 @@ def plain_wgrad(acc):
 
 # ------------------------------------------------------------------ host side
 
-# 128 x 128 tiles, 2 x 1 clusters, ping-pong: QuACK's sm90 default tile (128 x 192) leaves the
-# fused epilogue fewer registers beside the accumulator and measured slower; the probe times others
-DEFAULT_CONFIG = GemmConfig(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1, pingpong=True,
-                            is_dynamic_persistent=False)
-
 
 def config(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1, pingpong=True) -> GemmConfig:
     return GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, cluster_n=cluster_n,
                       pingpong=pingpong, is_dynamic_persistent=False)
+
+
+# 128 x 128 tiles, 2 x 1 clusters, ping-pong: QuACK's sm90 default tile (128 x 192) leaves the
+# fused epilogue fewer registers beside the accumulator and measured slower; the probe times others
+DEFAULT_CONFIG = config()
 
 
 def scalar_views(args: torch.Tensor) -> dict:
