@@ -10,7 +10,8 @@ per subtile.
 
 This driver covers the fused step's shape of epilogue and refuses others at trace time: the
 C operand and tile loads through TMA, D and tile outputs stored through TMA, no prepass,
-no quantized or predicated stores.
+no quantized or predicated stores. An epilogue with a TileStats op (tile_stats.py) has its
+tile's gradient tested before the first store, and a tile that is not applied is not stored.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from cutlass import const_expr
 from quack.epilogue import frontend
 from quack.epilogue.ops import DStore
 from quack.gemm_sm90 import GemmSm90
+
+from .tile_stats import TileStats
 
 
 class RolledEpilogueSm90(GemmSm90):
@@ -50,6 +53,9 @@ class RolledEpilogueSm90(GemmSm90):
         ahead = min(count, self.epi_c_stage)
         epi_tensors = self.epi_begin(params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
                                      tile_coord_mnkl, varlen_manager, epilogue_barrier, tidx, tRS_rD.layout)
+        gates = [op for op in self._epi_ops if isinstance(op, TileStats)]
+        if const_expr(len(gates) > 1):
+            raise NotImplementedError("the rolled epilogue takes one TileStats op")
 
         # the first loads (C and the tile operands of a subtile together) before any wait
         for i in cutlass.range(ahead, unroll=1):
@@ -58,7 +64,12 @@ class RolledEpilogueSm90(GemmSm90):
                 copy_C(src_idx=order.get_hier_coord(i), producer_state=epi_producer_state)
                 epi_pipeline.producer_commit(epi_producer_state)
             epi_producer_state.advance()
+        applied = True
+        if const_expr(gates):  # the tile's test, while the loads fly; the barrier publishes its warps' sums
+            gates[0].stage(self, epi_tensors[gates[0].name], load_acc_subtile, tRS_rD, order, count)
         epilogue_barrier.arrive_and_wait()
+        if const_expr(gates):
+            applied = gates[0].finish(self, epi_tensors[gates[0].name])
 
         for epi_idx in cutlass.range(count, unroll=1):
             coord = order.get_hier_coord(epi_idx)
@@ -94,8 +105,9 @@ class RolledEpilogueSm90(GemmSm90):
             cute.arch.fence_view_async_shared()  # the stores' smem writes before TMA reads them
             epilogue_barrier.arrive_and_wait()
             if is_tma_warp:
-                for i in cutlass.range_constexpr(len(stores)):
-                    stores[i][4](src_idx=stage, dst_idx=coord)
+                if applied:  # a skipped tile's weight and states are left as they are
+                    for i in cutlass.range_constexpr(len(stores)):
+                        stores[i][4](src_idx=stage, dst_idx=coord)
                 epi_store_pipeline.producer_commit()
 
         self.epi_end(params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,

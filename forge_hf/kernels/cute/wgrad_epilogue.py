@@ -15,8 +15,9 @@ launches' enable_fp_fusion=False) and whose / and sqrt are the instructions Trit
 bf16 stores round in the integer domain with core/rounding.py's hash. The value handed to QuACK's bf16 store has
 its low 16 bits cleared already, so its own round-to-nearest conversion is exact.
 
-Not yet: statistics (squared sums) and skipping non-finite 64 x 64 blocks, 8-bit states,
-rules other than AdamW.
+The rolled epilogue also skips tiles with a non-finite gradient and sums the squared gradient
+(tile_stats.py: per 128 x 128 CTA tile, where the Triton kernel tests 64 x 64 blocks).
+Not yet: 8-bit states, rules other than AdamW.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from quack.gemm_config import GemmConfig
 
 from ...core import rounding, rules
 from ...core.rules import NUM_SCALARS, RULES, bind_update
+from . import tile_stats
 from .rolled import rolled_epilogue
 
 # ------------------------------------------------------------------ exact fp32 arithmetic
@@ -210,11 +212,14 @@ INT_OPS = {name: Scalar(name, dtype=Int32) for name in ("step", "salt", "row0", 
 
 def _adamw_epilogue(stochastic: bool, rolled: bool):
     """AdamW with bf16 weight and bf16 moments (c: the weight as QuACK's C operand); ``rolled``:
-    its subtiles as a loop (rolled.py), else unrolled as QuACK's driver does."""
+    its subtiles as a loop (rolled.py) with the tile statistics and skip (tile_stats.py), else
+    unrolled as QuACK's driver does, with neither."""
     update = RULE_UPDATES["adamw"]
     epilogue = rolled_epilogue if rolled else gemm_epilogue
+    extra_ops = (tile_stats.TileStats("stats"),) if rolled else ()
 
-    @epilogue(outputs=("exp_avg_new", "exp_avg_sq_new"), ops={"elem": ElementIndex("elem"), **INT_OPS})
+    @epilogue(outputs=("exp_avg_new", "exp_avg_sq_new"), ops={"elem": ElementIndex("elem"), **INT_OPS},
+              extra_ops=extra_ops)
     def adamw_bf16(acc, c, exp_avg, exp_avg_sq, elem, c0, c1, c2, c3, c4, c5, c6,
                    step, salt, row0, k_cols):
         zero = Exact(0.0)
@@ -265,7 +270,7 @@ def scalar_views(args: torch.Tensor) -> dict:
     return views
 
 
-def _check(x, dy, weight, slots):
+def _check(x, dy, weight, slots, stats):
     T, K = x.shape
     N = dy.shape[1]
     if tuple(weight.shape) != (N, K) or dy.shape[0] != T:
@@ -275,18 +280,30 @@ def _check(x, dy, weight, slots):
             raise ValueError("the QuACK epilogue takes contiguous bf16 x, dy, weight and states")
     if N % 8 or K % 8:  # dY^T's token stride is N, X's is K; any token count
         raise ValueError(f"TMA needs 16-byte strides: out ({N}) and in ({K}) features multiples of 8")
+    if stats is not None and (stats.dtype != torch.float32 or stats.shape != (2,) or not stats.is_contiguous()
+                              or stats.device != weight.device):
+        raise ValueError("stats: a contiguous fp32 tensor of 2 on the weight's device")
 
 
-def fused_adamw_bf16(x, dy, weight, exp_avg, exp_avg_sq, args, stochastic=True, cfg=None, rolled=True):
+def fused_adamw_bf16(x, dy, weight, exp_avg, exp_avg_sq, args, stochastic=True, cfg=None, rolled=True,
+                     stats=None):
     """One AdamW step of a bf16 weight with bf16 moments, all updated in place: x (T, K),
     dy (T, N), weight and moments (N, K) row-major, args the launch's int32 row; ``rolled``
-    runs the epilogue's subtiles as a loop (rolled.py)."""
-    _check(x, dy, weight, (exp_avg, exp_avg_sq))
+    runs the epilogue's subtiles as a loop (rolled.py). A CTA tile (the config's tile_m x tile_n)
+    whose gradient is not finite is left unchanged (tile_stats.py), as the Triton kernel always
+    does with its 64 x 64 blocks; ``stats`` (fp32, 2), where given, gets the applied tiles'
+    squared gradient sum and the count of skipped tiles added. The unrolled epilogue
+    (``rolled=False``) neither skips nor counts."""
+    _check(x, dy, weight, (exp_avg, exp_avg_sq), stats)
+    epi_args = dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, elem=weight.shape[1], k_cols=weight.shape[1],
+                    **scalar_views(args))
+    if rolled:
+        epi_args["stats"] = tile_stats.OFF if stats is None else stats
+    elif stats is not None:
+        raise ValueError("stats: only the rolled epilogue records statistics")
     (ADAMW_BF16_ROLLED if rolled else ADAMW_BF16)[bool(stochastic)](
         dy.t(), x, weight, out={"D": weight, "exp_avg_new": exp_avg, "exp_avg_sq_new": exp_avg_sq},
-        config=cfg or DEFAULT_CONFIG, tuned=False,
-        exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, elem=weight.shape[1], k_cols=weight.shape[1],
-        **scalar_views(args))
+        config=cfg or DEFAULT_CONFIG, tuned=False, **epi_args)
 
 
 def wgrad(x, dy, out, cfg=None):
