@@ -18,14 +18,15 @@ from .compiled import int_spec, launch_compiled, tensor_spec
 from .direct_launch import DirectLauncher
 
 KERNEL_ENV = "FORGE_HF_KERNEL"
-KERNEL_CHOICES = ("auto", "persistent", "triton")
+KERNEL_CHOICES = ("auto", "persistent", "triton", "quack")
 KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)  # fp32 states: not here
 _TOKEN_PLACES = 16  # token descriptors a layer keeps encoded (a few places a step; eval and train differ)
 
 
 def kernel_choice() -> str:
     """FORGE_HF_KERNEL: ``auto`` (default, also when empty), ``persistent`` (never the wide
-    kernel) or ``triton`` (only triton/fused_update.py's kernel)."""
+    kernel), ``triton`` (only triton/fused_update.py's kernel) or ``quack`` (QuACK's engine,
+    launch/quack_launch.py, wherever it applies)."""
     choice = os.environ.get(KERNEL_ENV) or "auto"
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: choose one of {list(KERNEL_CHOICES)}")

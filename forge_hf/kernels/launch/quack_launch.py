@@ -1,0 +1,97 @@
+"""When and how QuACK's Hopper GEMM engine (kernels/cute/) runs a layer's fused step: a bf16
+row-major weight with fp32, bf16 or absent states, both sides multiples of 8, from MIN_TOKENS
+bf16 tokens a step, on a Hopper GPU where forge-hf[hopper] is installed. Under ``auto``
+dispatch times it beside the Gluon kernel per layer shape and token bucket and keeps the
+faster; ``FORGE_HF_KERNEL=quack`` takes it wherever it applies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core import codecs
+from ...core.codecs import storage_kind
+from .. import cute
+from .gluon_launch import KERNEL_ENV, aligned, kernel_choice, tokens_unsupported
+
+# Below this many tokens a step the GEMM's mainloop is too short to hide the update under:
+# the persistent Gluon kernel is the faster there (kernel_microbench, cute_probe)
+MIN_TOKENS = 1024
+KINDS = (codecs.NONE, codecs.FP32, codecs.BF16)
+
+
+def quack_requested() -> bool:
+    """FORGE_HF_KERNEL=quack; an unknown choice is refused by kernel_choice."""
+    return kernel_choice() == "quack"
+
+
+def check_quack_installed() -> None:
+    """FORGE_HF_KERNEL=quack without the engine installed: refused before any step, naming the fix."""
+    missing = cute.missing_packages()
+    if quack_requested() and missing:
+        raise ImportError(f"{KERNEL_ENV}=quack needs {', '.join(missing)} installed: {cute.INSTALL_HINT}; "
+                          f"or unset {KERNEL_ENV}")
+
+
+def quack_layer_unsupported(weight, slots) -> str | None:
+    """Why the QuACK engine cannot step this layer, whatever its tokens (None: it can)."""
+    choice = kernel_choice()
+    if choice in ("persistent", "triton"):
+        return f"{KERNEL_ENV}={choice}"
+    missing = cute.missing_packages()
+    if missing:
+        return f"{', '.join(missing)} not installed ({cute.INSTALL_HINT})"
+    if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] != 9:
+        return "not a Hopper GPU (QuACK's sm90 GEMM)"
+    return quack_layout_unsupported(weight, slots)
+
+
+def quack_layout_unsupported(weight, slots) -> str | None:
+    """Why a weight and its states do not suit the engine's TMA loads and stores (None: they do)."""
+    if weight.dtype != torch.bfloat16:
+        return "the weight must be bf16"
+    n, k = weight.shape
+    if n % 8 or k % 8:
+        return f"weight shape {tuple(weight.shape)}: both sides must be multiples of 8 (16-byte TMA rows)"
+    if weight.stride() != (k, 1) or not aligned(weight):
+        return "weight is not row-major and 16-byte aligned"
+    for slot in slots:
+        if storage_kind(slot) not in KINDS:
+            return "8-bit states are not on the QuACK engine (the wide Gluon kernel takes them)"
+        if slot is not None and (slot.stride() != weight.stride() or not aligned(slot)):
+            return "a state slot is not laid out as the weight"
+    return None
+
+
+def quack_tokens_unsupported(x, dy) -> str | None:
+    """Why a step's tokens do not suit the engine (None: they do)."""
+    if x.shape[0] < MIN_TOKENS:
+        return f"{x.shape[0]} tokens: the engine takes from {MIN_TOKENS}"
+    if not (x.is_contiguous() and dy.is_contiguous()):
+        return "x or dy is not contiguous"
+    return tokens_unsupported(x, dy)
+
+
+class QuackLaunch:
+    """``launch(x, dy, args, stats)``: one layer's step on the QuACK engine, False (nothing
+    launched) for tokens it does not take. A token count first met inside a CUDA-graph
+    capture is left to the Gluon kernel: the engine compiles its kernel for a new shape on
+    the host, which an eager step does first."""
+
+    def __init__(self, weight, slots, rule_name: str, stochastic: bool):
+        self.weight, self.slots = weight, list(slots)
+        self.rule_name, self.stochastic = rule_name, stochastic
+        self.kernels = cute.load()
+        self._eager_tokens: set[int] = set()
+
+    def __call__(self, x, dy, args, stats) -> bool:
+        if quack_tokens_unsupported(x, dy) is not None:
+            return False
+        tokens = x.shape[0]
+        if tokens not in self._eager_tokens:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            self._eager_tokens.add(tokens)
+        self.kernels.fused_step(x, dy, self.weight, self.slots, args, rule=self.rule_name,
+                                stochastic=self.stochastic, stats=stats)
+        return True
