@@ -42,14 +42,16 @@ def launcher(name, W, V, x, dy, w, m, v, args, cfg):
     """A no-argument call of one variant on this layer's tensors."""
     n, k = w.shape
     outs = {"D": w, "exp_avg_new": m, "exp_avg_sq_new": v}
-    scalars = dict(elem=k, k_cols=k, **W.scalar_views(args))
+    scalars = dict(elem=k, k_cols=k, **W.scalar_views(args, "adamw"))
     kw = dict(config=cfg, tuned=False)
     calls = {
         "plain_bf16": lambda: W.wgrad(x, dy, w, cfg),
-        "fused_sr": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=True, cfg=cfg),
-        "fused_rn": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=False, cfg=cfg),
-        "fused_sr_unrolled": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=True, cfg=cfg, rolled=False),
-        "fused_rn_unrolled": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=False, cfg=cfg, rolled=False),
+        "fused_sr": lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=True, cfg=cfg),
+        "fused_rn": lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=False, cfg=cfg),
+        "fused_sr_unrolled": lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=True, cfg=cfg,
+                                                  rolled=False),
+        "fused_rn_unrolled": lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=False, cfg=cfg,
+                                                  rolled=False),
         "copy_through": lambda: V.copy_through(dy.t(), x, w, out=outs, exp_avg=m, exp_avg_sq=v, **kw),
         "stores_only": lambda: V.stores_only(dy.t(), x, out=outs, **kw),
         "weight_only": lambda: V.weight_only(dy.t(), x, w, out={"D": w}, **kw),
