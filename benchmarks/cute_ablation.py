@@ -6,7 +6,7 @@ replay (median), with QuACK's plain GEMM and cuBLAS as the floor.
   python benchmarks/cute_ablation.py --epi-tile 64x64 --variants fused_sr,copy_through
   ncu ... python benchmarks/cute_ablation.py --ncu fused_sr --shapes gate_proj --tokens 2048
 
-Variants: fused_sr / fused_rn (the step, stochastic or nearest rounding; _unrolled: with
+Variants: fused_sr / fused_rn (the step with its statistics, stochastic or nearest rounding; _unrolled: with
 QuACK's own epilogue driver, its subtiles unrolled), copy_through (its
 loads and stores, no arithmetic), stores_only, weight_only (one load, one store), math_sr /
 math_rn (the rule and roundings, no loads), plain_bf16 (the GEMM alone). --epi-tile overrides
@@ -42,14 +42,17 @@ def launcher(name, W, V, x, dy, w, m, v, args, cfg):
     """A no-argument call of one variant on this layer's tensors."""
     n, k = w.shape
     outs = {"D": w, "exp_avg_new": m, "exp_avg_sq_new": v}
-    scalars = dict(elem=k, k_cols=k, **W.scalar_views(args))
+    scalars = dict(elem=k, k_cols=k, **W.scalar_views(args, "adamw"))
     kw = dict(config=cfg, tuned=False)
+    stats = torch.zeros(2, device=w.device)  # the rolled step records, as the dispatch's launches do
     calls = {
         "plain_bf16": lambda: W.wgrad(x, dy, w, cfg),
-        "fused_sr": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=True, cfg=cfg),
-        "fused_rn": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=False, cfg=cfg),
-        "fused_sr_unrolled": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=True, cfg=cfg, rolled=False),
-        "fused_rn_unrolled": lambda: W.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=False, cfg=cfg, rolled=False),
+        "fused_sr": lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=True, cfg=cfg, stats=stats),
+        "fused_rn": lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=False, cfg=cfg, stats=stats),
+        "fused_sr_unrolled": lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=True, cfg=cfg,
+                                                  rolled=False),
+        "fused_rn_unrolled": lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=False, cfg=cfg,
+                                                  rolled=False),
         "copy_through": lambda: V.copy_through(dy.t(), x, w, out=outs, exp_avg=m, exp_avg_sq=v, **kw),
         "stores_only": lambda: V.stores_only(dy.t(), x, out=outs, **kw),
         "weight_only": lambda: V.weight_only(dy.t(), x, w, out={"D": w}, **kw),

@@ -30,3 +30,62 @@ def test_missing_packages_are_named_with_the_install_command(monkeypatch):
 def test_without_the_packages_load_refuses():
     with pytest.raises(ImportError, match="forge_hf.kernels.cute needs"):
         cute.load()
+
+
+# ---------------------------------------------- with the packages (no GPU needed)
+
+with_packages = pytest.mark.skipif(not cute.available(), reason="needs QuACK and the CuTe DSL (forge-hf[hopper])")
+
+
+def _layer(weight_dtype=None, state_dtype=None, n=64, k=96, t=10):
+    import torch
+
+    bf16 = torch.bfloat16
+    x, dy = torch.zeros(t, k, dtype=bf16), torch.zeros(t, n, dtype=bf16)
+    w = torch.zeros(n, k, dtype=weight_dtype or bf16)
+    slots = [torch.zeros(n, k, dtype=state_dtype or bf16) for _ in range(2)] + [None]
+    return x, dy, w, slots, torch.zeros(15, dtype=torch.int32)
+
+
+@with_packages
+def test_refusals_name_what_the_engine_does_not_take():
+    from forge_hf.core.codecs import CODECS, QuantisedSlot
+
+    W = cute.load()
+    x, dy, w, slots, args = _layer()
+    int8 = QuantisedSlot.empty_like(w, CODECS["absmax8"], transposed=False)
+    refusals = {
+        "not on the QuACK engine yet: the Triton fused kernel": (x, dy, w, [int8, slots[1], None], "adamw"),
+        "lion keeps 1 state slot": (x, dy, w, slots, "lion"),
+        "unknown optimizer": (x, dy, w, slots, "adam"),
+        "bf16 or fp32 states": (x, dy, w, [slots[0].half(), slots[1], None], "adamw"),
+        "bf16 x and dy": (x.float(), dy, w, slots, "adamw"),
+        "bf16 or fp32 weight": (x, dy, w.half(), slots, "adamw"),
+        "non-contiguous": (x, dy, w.t().contiguous().t(), slots, "adamw"),
+        "multiples of 8": (x[:, :92].contiguous(), dy, w[:, :92].contiguous(),
+                           [s[:, :92].contiguous() for s in slots[:2]], "adamw"),
+    }
+    for message, (xs, dys, ws, ss, rule) in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            W.step_call(xs, dys, ws, ss, args, rule=rule)
+    assert W.step_call(x, dy, w, slots[:2], args)[0] is W.step_call(x, dy, w, slots, args)[0]  # None-padded
+
+
+@with_packages
+def test_epilogues_are_built_once_per_kind_at_first_use():
+    import torch
+
+    W = cute.load()
+    x, dy, w, slots, args = _layer(weight_dtype=torch.float32, state_dtype=torch.float32)
+    epilogue, operands, keywords = W.step_call(x, dy, w, slots, args, rule="adamw", stochastic=True)
+    # nothing is stored in bf16: stochastic rounding is moot, one kernel for both
+    assert epilogue is W.step_call(x, dy, w, slots, args, rule="adamw", stochastic=False)[0]
+    assert epilogue.fn.__name__ == "adamw_fp32_fp32_fp32_rn"
+    assert set(keywords["out"]) == {"D", "exp_avg_new", "exp_avg_sq_new"}
+    assert [name for name in keywords if name in W.SCALAR_NAMES] == [f"c{i}" for i in range(7)]  # AdamW reads 7
+    rms = [torch.zeros_like(w), None, torch.zeros_like(w, dtype=torch.bfloat16)]  # centered, no momentum
+    epilogue, _, keywords = W.step_call(x, dy, w, rms, args, rule="rmsprop")
+    assert epilogue.fn.__name__ == "rmsprop_fp32_fp32_no_bf16_sr"
+    assert set(keywords["out"]) == {"D", "square_avg_new", "grad_avg_new"} and "momentum_buffer" not in keywords
+    assert W.CONSTANTS_READ == {"adamw": 7, "nadam": 9, "radam": 11, "lion": 6, "rmsprop": 8, "adagrad": 3,
+                                "sgd": 7}

@@ -51,7 +51,7 @@ def _layer(seed=0):
 def _cute_step(kernels, x, dy, w, m, v, args, stochastic, with_stats=True):
     w, m, v = w.clone(), m.clone(), v.clone()
     stats = torch.zeros(2, device="cuda") if with_stats else None
-    kernels.fused_adamw_bf16(x, dy, w, m, v, args, stochastic=stochastic, stats=stats)
+    kernels.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=stochastic, stats=stats)
     torch.cuda.synchronize()
     return (w, m, v), stats
 

@@ -5,24 +5,33 @@ the new weight and state tiles stored, in place. Imported only through ``cute.lo
 
 The GEMM: M = out features, N = in features, K = tokens. A = dY^T (out axis contiguous:
 M-major), B = X as (tokens, in) (N-major), D = the weight (out, in), row-major. QuACK's TMA
-loads the weight as the GEMM's C operand and the two moments as full-tile epilogue loads;
-the weight is stored as D and the moments as tile outputs over the same memory (each tile is
-read before it is written, by the one CTA that owns it).
+loads the weight as the GEMM's C operand and the rule's states as full-tile epilogue loads;
+the weight is stored as D and the states as tile outputs over the same memory (each tile is
+read before it is written, by the one CTA that owns it). Every rule of core/rules.py, with a
+bf16 or fp32 weight and bf16 or fp32 states in any of the slots the rule keeps; each
+combination's epilogue is built at its first use (``step_epilogue``).
 
 Same arithmetic as the other kernels: the rule's code object (core/rules.py) runs on values
 whose +, -, * are single PTX ``.rn`` operations (never contracted to FMA, as the Triton
-launches' enable_fp_fusion=False) and whose / and sqrt are the instructions Triton emits, and
-bf16 stores round in the integer domain with core/rounding.py's hash. The value handed to QuACK's bf16 store has
-its low 16 bits cleared already, so its own round-to-nearest conversion is exact.
+launches' enable_fp_fusion=False), whose / and sqrt are the instructions Triton emits and
+whose comparisons and ``ops.where`` are Triton's ordered compares and selects; bf16 stores
+round in the integer domain with core/rounding.py's hash, the weight with the hash's slot 0
+and state slot i with slot i + 1, as the Triton kernel does. The value handed to QuACK's bf16
+store has its low 16 bits cleared already, so its own round-to-nearest conversion is exact;
+fp32 values are stored as computed.
 
 The rolled epilogue also skips tiles with a non-finite gradient and sums the squared gradient
 (tile_stats.py: per 128 x 128 CTA tile, where the Triton kernel tests 64 x 64 blocks).
-Not yet: 8-bit states, rules other than AdamW.
+Not yet: 8-bit states.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import inspect
+import textwrap
 import types
 from pathlib import Path
 
@@ -36,8 +45,9 @@ from quack.epilogue import gemm_epilogue
 from quack.epilogue.ops import Scalar
 from quack.gemm_config import GemmConfig
 
-from ...core import rounding, rules
-from ...core.rules import NUM_SCALARS, RULES, bind_update
+from ...core import codecs, rounding, rules
+from ...core.codecs import QuantisedSlot, storage_kind
+from ...core.rules import MAX_SLOTS, NUM_SCALARS, RULES, bind_update, get_rule
 from . import tile_stats
 from .rolled import rolled_epilogue
 
@@ -115,7 +125,8 @@ def _f32(x):
 
 class Exact:
     """An fp32 value whose operators are single PTX instructions, so the rule's Python
-    expressions give the Triton kernel's bits. Python numbers mix in as fp32 constants."""
+    expressions give the Triton kernel's bits. Python numbers mix in as fp32 constants.
+    Comparisons are ordered (false against NaN), as Triton's on floats."""
 
     __slots__ = ("v",)
 
@@ -147,11 +158,43 @@ class Exact:
     def __neg__(self):
         return Exact(-self.v)
 
+    def __gt__(self, o):
+        return self.v > _f32(o)
+
+    def __lt__(self, o):
+        return self.v < _f32(o)
+
+    def __ge__(self, o):
+        return self.v >= _f32(o)
+
+    def __le__(self, o):
+        return self.v <= _f32(o)
+
+
+def _where(cond, a, b):
+    """tl.where on fp32 values: ``a`` where ``cond`` holds, else ``b`` (one select; both sides
+    are computed, as in the Triton kernel)."""
+    return Exact(cutlass.select_(cond, _f32(a), _f32(b)))
+
 
 # The rules' free name ``ops`` (a module: QuACK fingerprints what an epilogue references)
 RULE_OPS = types.ModuleType("forge_hf.kernels.cute.rule_ops")
 RULE_OPS.sqrt = lambda x: Exact(PTX.sqrt_approx(_f32(x)))
+RULE_OPS.where = _where
 RULE_UPDATES = {name: bind_update(rule, RULE_OPS) for name, rule in RULES.items()}
+
+
+def constants_read(rule: rules.Rule) -> int:
+    """How many of the constants c0..c11 the rule's update reads (its last one read, counted
+    from c0): the epilogue takes those as scalars and the rest as 0."""
+    code = rule.update.__code__
+    constants = code.co_varnames[5:code.co_argcount]  # after w, g, s0, s1, s2
+    tree = ast.parse(textwrap.dedent(inspect.getsource(rule.update)))
+    read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return max((i + 1 for i, name in enumerate(constants) if name in read), default=0)
+
+
+CONSTANTS_READ = {name: constants_read(rule) for name, rule in RULES.items()}
 
 # core/rounding.py's hash on Uint32 values (multiplication wraps modulo 2**32)
 HASH = types.ModuleType("forge_hf.kernels.cute.hash_ops")
@@ -168,6 +211,14 @@ def round_to_bf16(x: Exact, h, slot: int, stochastic: bool) -> Float32:
     else:
         bits = bits + (Uint32(0x7FFF) + ((bits >> 16) & Uint32(1)))
     return PTX.bits_f32(bits & Uint32(0xFFFF0000))
+
+
+def stored_value(x: Exact, kind: int, h, slot: int, stochastic: bool) -> Float32:
+    """What the tile store of storage ``kind`` (codecs.BF16 or FP32) is handed for x: its bf16
+    rounding (round_to_bf16, hash slot ``slot``), or the fp32 value unrounded."""
+    if kind == codecs.BF16:
+        return round_to_bf16(x, h, slot, stochastic)
+    return x.v
 
 
 # ------------------------------------------------------------------ the element's index
@@ -208,36 +259,55 @@ class ElementIndex(Scalar):
 
 SCALAR_NAMES = tuple(f"c{i}" for i in range(NUM_SCALARS))
 INT_OPS = {name: Scalar(name, dtype=Int32) for name in ("step", "salt", "row0", "k_cols")}
+KIND_NAMES = {codecs.NONE: "no", codecs.FP32: "fp32", codecs.BF16: "bf16"}
 
 
-def _adamw_epilogue(stochastic: bool, rolled: bool):
-    """AdamW with bf16 weight and bf16 moments (c: the weight as QuACK's C operand); ``rolled``:
-    its subtiles as a loop (rolled.py) with the tile statistics and skip (tile_stats.py), else
-    unrolled as QuACK's driver does, with neither."""
-    update = RULE_UPDATES["adamw"]
-    epilogue = rolled_epilogue if rolled else gemm_epilogue
-    extra_ops = (tile_stats.TileStats("stats"),) if rolled else ()
+def state_operands(rule: str, states: tuple[int, ...]) -> tuple[str | None, ...]:
+    """Each slot's epilogue operand (the rule's name for the slot; its tile output adds
+    ``_new``), None for a slot without a state."""
+    return tuple(None if kind == codecs.NONE else RULES[rule].slot_names[i] for i, kind in enumerate(states))
 
-    @epilogue(outputs=("exp_avg_new", "exp_avg_sq_new"), ops={"elem": ElementIndex("elem"), **INT_OPS},
-              extra_ops=extra_ops)
-    def adamw_bf16(acc, c, exp_avg, exp_avg_sq, elem, c0, c1, c2, c3, c4, c5, c6,
-                   step, salt, row0, k_cols):
+
+@functools.cache
+def step_epilogue(rule: str, weight_bf16: bool, states: tuple[int, ...], stochastic: bool, rolled: bool):
+    """The fused step of ``rule`` as a QuACK epilogue, built at its first use: a bf16 (else
+    fp32) weight as C and D, ``states`` each slot's storage kind (codecs.NONE, FP32 or BF16),
+    ``stochastic`` rounding of its bf16 stores (else to nearest), ``rolled``: its subtiles as a
+    loop (rolled.py) with the tile statistics and skip (tile_stats.py), else unrolled as
+    QuACK's driver does, with neither. Its operands: c (the weight),
+    the present states, elem, the constants the rule reads, step, salt, row0 and k_cols."""
+    if len(states) != MAX_SLOTS:
+        raise ValueError(f"states: one storage kind for each of the {MAX_SLOTS} slots, got {states}")
+    update = RULE_UPDATES[rule]
+    weight = codecs.BF16 if weight_bf16 else codecs.FP32
+    slots = state_operands(rule, states)
+    constants = SCALAR_NAMES[:CONSTANTS_READ[rule]]
+
+    def step(acc, c, **operands):
         zero = Exact(0.0)
-        consts = [Exact(v) for v in (c0, c1, c2, c3, c4, c5, c6)] + [zero] * (NUM_SCALARS - 7)
-        w, m, v, _ = update(Exact(c), Exact(acc), Exact(exp_avg), Exact(exp_avg_sq), zero, *consts)
+        consts = [Exact(operands[name]) for name in constants] + [zero] * (NUM_SCALARS - len(constants))
+        values = [zero if name is None else Exact(operands[name]) for name in slots]
+        w, *new = update(Exact(c), Exact(acc), *values, *consts)
         h = Uint32(0)
         if stochastic:
-            index = Uint32(elem) + Uint32(row0) * Uint32(k_cols)
-            h = HASH.element_hash(index, Uint32(salt), Uint32(step))
-        return {"D": round_to_bf16(w, h, 0, stochastic),
-                "exp_avg_new": round_to_bf16(m, h, 1, stochastic),
-                "exp_avg_sq_new": round_to_bf16(v, h, 2, stochastic)}
+            index = Uint32(operands["elem"]) + Uint32(operands["row0"]) * Uint32(operands["k_cols"])
+            h = HASH.element_hash(index, Uint32(operands["salt"]), Uint32(operands["step"]))
+        stored = {"D": stored_value(w, weight, h, 0, stochastic)}
+        stored.update({f"{name}_new": stored_value(value, kind, h, i + 1, stochastic)
+                       for i, (name, kind, value) in enumerate(zip(slots, states, new)) if name is not None})
+        return stored
 
-    return adamw_bf16
-
-
-ADAMW_BF16 = {True: _adamw_epilogue(True, False), False: _adamw_epilogue(False, False)}
-ADAMW_BF16_ROLLED = {True: _adamw_epilogue(True, True), False: _adamw_epilogue(False, True)}
+    # QuACK reads the operands' names from the signature
+    names = ("acc", "c", *(name for name in slots if name is not None), "elem", *constants,
+             "step", "salt", "row0", "k_cols")
+    step.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
+    kinds = (KIND_NAMES[kind] for kind in states[:len(RULES[rule].slot_names)])
+    step.__name__ = "_".join((rule, KIND_NAMES[weight], *kinds, "sr" if stochastic else "rn"))
+    epilogue = rolled_epilogue if rolled else gemm_epilogue
+    outputs = tuple(f"{name}_new" for name in slots if name is not None)
+    extra_ops = (tile_stats.TileStats("stats"),) if rolled else ()
+    return epilogue(outputs=outputs, ops={"elem": ElementIndex("elem"), **INT_OPS}, extra_ops=extra_ops)(step)
 
 
 @gemm_epilogue()
@@ -259,25 +329,53 @@ def config(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1, pingpong=True) -> G
 DEFAULT_CONFIG = config()
 
 
-def scalar_views(args: torch.Tensor) -> dict:
+def scalar_views(args: torch.Tensor, rule: str) -> dict:
     """The launch's argument row (core/arg_words.py) as the epilogue's device scalars: the
-    rule's fp32 constants, the step, the salt and the first row. Read by the kernel at each
-    tile, so a CUDA graph replays with the row's current values."""
+    fp32 constants ``rule`` reads, the step, the salt and the first row. Read by the kernel at
+    each tile, so a CUDA graph replays with the row's current values."""
     consts = args[:NUM_SCALARS].view(torch.float32)
-    views = {name: consts[i:i + 1] for i, name in enumerate(SCALAR_NAMES[:7])}
+    views = {name: consts[i:i + 1] for i, name in enumerate(SCALAR_NAMES[:CONSTANTS_READ[rule]])}
     views.update(step=args[NUM_SCALARS:NUM_SCALARS + 1], salt=args[NUM_SCALARS + 1:NUM_SCALARS + 2],
                  row0=args[NUM_SCALARS + 2:NUM_SCALARS + 3])
     return views
 
 
-def _check(x, dy, weight, slots, stats):
+FLOATS = (torch.bfloat16, torch.float32)
+
+
+def _slot_kinds(rule: str, slots, weight) -> tuple[int, ...]:
+    """Each slot's storage kind (codecs.storage_kind), or a ValueError for a slot the engine
+    does not take."""
+    names = get_rule(rule).slot_names
+    if len(slots) > MAX_SLOTS:
+        raise ValueError(f"{len(slots)} state slots given: the rules keep at most {MAX_SLOTS}")
+    for i, slot in enumerate(slots):
+        if slot is None:
+            continue
+        if i >= len(names):
+            raise ValueError(f"{rule} keeps {len(names)} state slot(s) {names}: slot {i} must be None")
+        if isinstance(slot, QuantisedSlot):
+            raise ValueError(f"{slot.codec.name} (8-bit) states are not on the QuACK engine yet: the Triton "
+                             "fused kernel (kernels/triton/fused_update.py, dispatch.launch_fused_update) "
+                             "has them")
+        if slot.dtype not in FLOATS or not slot.is_contiguous() or slot.shape != weight.shape:
+            raise ValueError(f"state slot {i} ({names[i]}): the QuACK epilogue takes contiguous bf16 or fp32 "
+                             f"states of the weight's shape {tuple(weight.shape)}, got {slot.dtype} "
+                             f"{tuple(slot.shape)}{'' if slot.is_contiguous() else ' non-contiguous'}")
+    return tuple(storage_kind(slot) for slot in (*slots, *[None] * (MAX_SLOTS - len(slots))))
+
+
+def _check(x, dy, weight, stats):
     T, K = x.shape
     N = dy.shape[1]
     if tuple(weight.shape) != (N, K) or dy.shape[0] != T:
         raise ValueError(f"shapes: x {tuple(x.shape)}, dy {tuple(dy.shape)}, weight {tuple(weight.shape)}")
-    for t in (x, dy, weight, *slots):
-        if t.dtype != torch.bfloat16 or not t.is_contiguous():
-            raise ValueError("the QuACK epilogue takes contiguous bf16 x, dy, weight and states")
+    if x.dtype != torch.bfloat16 or dy.dtype != torch.bfloat16 or not (x.is_contiguous() and dy.is_contiguous()):
+        raise ValueError(f"the QuACK epilogue multiplies contiguous bf16 x and dy (got {x.dtype}, {dy.dtype}): "
+                         "fp32 tokens take the Triton fused kernel")
+    if weight.dtype not in FLOATS or not weight.is_contiguous():
+        raise ValueError(f"the QuACK epilogue takes a contiguous bf16 or fp32 weight, got {weight.dtype}"
+                         f"{'' if weight.is_contiguous() else ' non-contiguous (a transposed Conv1D weight?)'}")
     if N % 8 or K % 8:  # dY^T's token stride is N, X's is K; any token count
         raise ValueError(f"TMA needs 16-byte strides: out ({N}) and in ({K}) features multiples of 8")
     if stats is not None and (stats.dtype != torch.float32 or stats.shape != (2,) or not stats.is_contiguous()
@@ -285,25 +383,40 @@ def _check(x, dy, weight, slots, stats):
         raise ValueError("stats: a contiguous fp32 tensor of 2 on the weight's device")
 
 
-def fused_adamw_bf16(x, dy, weight, exp_avg, exp_avg_sq, args, stochastic=True, cfg=None, rolled=True,
-                     stats=None):
-    """One AdamW step of a bf16 weight with bf16 moments, all updated in place: x (T, K),
-    dy (T, N), weight and moments (N, K) row-major, args the launch's int32 row; ``rolled``
-    runs the epilogue's subtiles as a loop (rolled.py). A CTA tile (the config's tile_m x tile_n)
-    whose gradient is not finite is left unchanged (tile_stats.py), as the Triton kernel always
-    does with its 64 x 64 blocks; ``stats`` (fp32, 2), where given, gets the applied tiles'
-    squared gradient sum and the count of skipped tiles added. The unrolled epilogue
-    (``rolled=False``) neither skips nor counts."""
-    _check(x, dy, weight, (exp_avg, exp_avg_sq), stats)
-    epi_args = dict(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, elem=weight.shape[1], k_cols=weight.shape[1],
-                    **scalar_views(args))
-    if rolled:
-        epi_args["stats"] = tile_stats.OFF if stats is None else stats
-    elif stats is not None:
+def step_call(x, dy, weight, slots, args, rule="adamw", stochastic=True, cfg=None, rolled=True, stats=None):
+    """(epilogue, operands, keywords) of one fused step: ``epilogue(*operands, tuned=False,
+    **keywords)`` runs it, ``epilogue.plan(*operands, **keywords)`` compiles it without a launch.
+    Arguments as fused_step's."""
+    _check(x, dy, weight, stats)
+    if stats is not None and not rolled:
         raise ValueError("stats: only the rolled epilogue records statistics")
-    (ADAMW_BF16_ROLLED if rolled else ADAMW_BF16)[bool(stochastic)](
-        dy.t(), x, weight, out={"D": weight, "exp_avg_new": exp_avg, "exp_avg_sq_new": exp_avg_sq},
-        config=cfg or DEFAULT_CONFIG, tuned=False, **epi_args)
+    states = _slot_kinds(rule, list(slots), weight)
+    weight_bf16 = weight.dtype == torch.bfloat16
+    # no bf16 store: stochastic and nearest rounding are one kernel
+    stochastic = bool(stochastic) and (weight_bf16 or codecs.BF16 in states)
+    epilogue = step_epilogue(rule, weight_bf16, states, stochastic, rolled)
+    present = {name: slot for name, slot in zip(state_operands(rule, states), slots) if name is not None}
+    K = weight.shape[1]
+    keywords = dict(out={"D": weight, **{f"{name}_new": slot for name, slot in present.items()}},
+                    config=cfg or DEFAULT_CONFIG, **present, elem=K, k_cols=K, **scalar_views(args, rule))
+    if rolled:
+        keywords["stats"] = tile_stats.OFF if stats is None else stats
+    return epilogue, (dy.t(), x, weight), keywords
+
+
+def fused_step(x, dy, weight, slots, args, rule="adamw", stochastic=True, cfg=None, rolled=True, stats=None):
+    """One step of ``rule`` on a weight and its states, all updated in place: x (T, K) and dy
+    (T, N) bf16, weight (N, K) bf16 or fp32, ``slots`` the rule's state tensors in slot order
+    (bf16 or fp32, the weight's shape; None where a slot keeps none, as dispatch passes them),
+    ``args`` the launch's int32 row (core/launch_args.py); ``stochastic``: bf16 stores round
+    stochastically, else to nearest; ``cfg`` a GemmConfig (DEFAULT_CONFIG); ``rolled`` runs the
+    epilogue's subtiles as a loop (rolled.py). A CTA tile (the config's tile_m x tile_n) whose
+    gradient is not finite is left unchanged (tile_stats.py), as the Triton kernel does with
+    its 64 x 64 blocks; ``stats`` (fp32, 2), where given, gets the applied tiles' squared
+    gradient sum and the count of skipped tiles added. The unrolled epilogue (``rolled=False``)
+    neither skips nor counts. A ValueError says what the engine does not take."""
+    epilogue, operands, keywords = step_call(x, dy, weight, slots, args, rule, stochastic, cfg, rolled, stats)
+    epilogue(*operands, tuned=False, **keywords)
 
 
 def wgrad(x, dy, out, cfg=None):

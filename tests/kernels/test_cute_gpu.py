@@ -1,0 +1,120 @@
+"""The fused step on QuACK's Hopper GEMM (kernels/cute/wgrad_epilogue.py) against the Triton
+fused kernel (kernels/triton/fused_update.py) on a Hopper GPU: every rule, fp32 and bf16 states,
+stochastic and nearest rounding, bf16 and fp32 weights, three steps each, on a shape that is no
+multiple of the 128 x 128 tile (nor of the Triton kernel's 64 x 64 blocks) and on one that is.
+Both form each gradient entry from the same 64-token wgmma chunks in the same order and run
+the same rule code on the same fp32 operations, so weights and states are compared bit for bit.
+
+  python -m pytest -q tests/kernels/test_cute_gpu.py          (-n 4: pytest-xdist spreads the compiles)
+
+The time is compilation on a cold cache (39 epilogues, ~1.3 s each on a CPU, and 42 Triton variants); QuACK's
+and Triton's disk caches keep them for the next run."""
+
+import pytest
+import torch
+
+from forge_hf.core.launch_args import pack_args
+from forge_hf.core.rules import get_rule, make_group
+from forge_hf.core.state import ForgeState
+from forge_hf.kernels import cute
+
+BF16, FP32 = torch.bfloat16, torch.float32
+RAGGED = (1000, 1496, 777)  # out, in, tokens
+TILED = (512, 768, 256)
+SALT = 77
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cute.available(), reason="needs QuACK and the CuTe DSL (forge-hf[hopper])"),
+    pytest.mark.skipif(not _hopper(), reason="QuACK's sm90 engine needs a Hopper GPU"),
+]
+
+# Hyperparameters under which each rule keeps all its slots; RAdam's steps 4-6 cross its
+# rectification threshold (rho_t > 5 from step 6), so both sides of its ops.where are taken
+RULES = [("adamw", dict(weight_decay=0.1), 0), ("nadam", dict(weight_decay=0.01), 0), ("radam", {}, 3),
+         ("lion", dict(weight_decay=0.1), 0), ("rmsprop", dict(momentum=0.9, centered=True), 0),
+         ("adagrad", dict(initial_accumulator_value=0.1), 0), ("sgd", dict(momentum=0.9, nesterov=True), 0)]
+# ... and some that leave slots empty: none, the second or the third
+EMPTY_SLOTS = [("sgd", {}, 0), ("rmsprop", dict(centered=True), 0), ("rmsprop", dict(momentum=0.5), 0)]
+
+
+def _layer(shape, rule_name, hp, precision, weight_dtype, steps_before):
+    n, k, t = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(t, k, device="cuda", generator=g).to(BF16)
+    dy = (torch.randn(t, n, device="cuda", generator=g) * 1e-2).to(BF16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(weight_dtype)
+    rule = get_rule(rule_name)
+    group = make_group(rule, hp)
+    state = ForgeState(rule, precision, transposed=False)
+    state.allocate(w, group)
+    for _ in range(steps_before):
+        rule.prepare(group, state.host)
+    return x, dy, w, state, rule, group
+
+
+def _steps(engine, shape, rule_name, hp, precision, weight_dtype, stochastic, steps_before, steps=3):
+    """{name: tensor} of the weight and the present states after ``steps`` steps of ``engine``
+    ("cute" or "triton")."""
+    from forge_hf.kernels.dispatch import launch_fused_update
+    from forge_hf.kernels.triton.fused_update import default_config
+
+    W = cute.load()
+    x, dy, w, state, rule, group = _layer(shape, rule_name, hp, precision, weight_dtype, steps_before)
+    slots = state.kernel_slots()
+    stats = torch.zeros(2, device="cuda")
+    for _ in range(steps):
+        args = pack_args(rule.prepare(group, state.host), state.host["step"], SALT, "cuda")
+        if engine == "cute":
+            W.fused_step(x, dy, w, slots, args, rule=rule_name, stochastic=stochastic)
+        else:
+            blocks = default_config(*w.shape, x.shape[0])["blocks"]
+            launch_fused_update(x, dy, w, slots, args, stats, rule_name, stochastic, blocks=blocks)
+    torch.cuda.synchronize()
+    return {"weight": w, **{name: s for name, s in zip(rule.slot_names, slots) if s is not None}}
+
+
+def assert_same_bits(shape, rule_name, hp, precision, weight_dtype, stochastic, steps_before):
+    got, want = (_steps(engine, shape, rule_name, hp, precision, weight_dtype, stochastic, steps_before)
+                 for engine in ("cute", "triton"))
+    w0 = _layer(shape, rule_name, hp, precision, weight_dtype, steps_before)[2]
+    assert not torch.equal(want["weight"], w0), "the steps left the weight as it was: nothing would be compared"
+    assert got.keys() == want.keys()
+    for name in want:
+        bits = got[name].view(torch.int16), want[name].view(torch.int16)  # fp32: two 16-bit halves an element
+        differ = (bits[0] != bits[1]).sum().item()
+        assert differ == 0, f"{name}: {differ} of {bits[0].numel()} 16-bit words differ from the Triton kernel's"
+
+
+@pytest.mark.parametrize("stochastic", [True, False], ids=["sr", "rn"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("rule_name,hp,steps_before", RULES, ids=[r[0] for r in RULES])
+def test_every_rule_and_state_precision_gives_the_triton_kernels_bits(rule_name, hp, steps_before, precision,
+                                                                      stochastic):
+    assert_same_bits(RAGGED, rule_name, hp, precision, BF16, stochastic, steps_before)
+
+
+@pytest.mark.parametrize("rule_name,hp,steps_before", RULES, ids=[r[0] for r in RULES])
+def test_fp32_weights_with_fp32_states(rule_name, hp, steps_before):
+    assert_same_bits(RAGGED, rule_name, hp, "fp32", FP32, True, steps_before)
+
+
+def test_an_fp32_weight_with_bf16_states():
+    assert_same_bits(RAGGED, "adamw", dict(weight_decay=0.1), "bf16", FP32, True, 0)
+
+
+@pytest.mark.parametrize("rule_name,hp,steps_before", EMPTY_SLOTS, ids=["sgd", "rmsprop_centered", "rmsprop_momentum"])
+def test_rules_with_empty_slots(rule_name, hp, steps_before):
+    assert_same_bits(RAGGED, rule_name, hp, "bf16", BF16, True, steps_before)
+
+
+@pytest.mark.parametrize("rule_name,hp,precision,weight_dtype", [
+    ("adamw", dict(weight_decay=0.1), "bf16", BF16), ("rmsprop", dict(momentum=0.9, centered=True), "bf16", BF16),
+    ("lion", dict(weight_decay=0.1), "fp32", FP32)], ids=["adamw", "rmsprop", "lion_fp32"])
+def test_a_shape_of_whole_tiles(rule_name, hp, precision, weight_dtype):
+    assert_same_bits(TILED, rule_name, hp, precision, weight_dtype, True, 0)
