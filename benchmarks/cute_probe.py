@@ -244,7 +244,7 @@ def main():
                                                    .replace("fused_", "kernel_cute_bf16_"))
             table.append(dict(model="llama-3.1-8b", batch=f"1x{tokens}", arm=name, step_ms=ms, tool="cute_probe",
                               note=f"QuACK sm90 GEMM engine; {ratio} cuBLAS; AdamW bf16 state, stochastic rounding, "
-                                   "no statistics or non-finite skip yet; CUDA-graph replays, sum over 225 linears"))
+                                   "tile statistics and non-finite skip; CUDA-graph replays, sum over 225 linears"))
     if table:
         path = attempt("results table", lambda: append_rows(table, opts.table or out / "results.csv"))
         say(f"{len(table)} rows -> {path}")
