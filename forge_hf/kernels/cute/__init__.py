@@ -1,5 +1,6 @@
 """Weight-gradient kernels on QuACK's Hopper GEMM engine (CuTe DSL): the fused step as a
-GEMM epilogue. A prototype beside the Gluon kernels, not yet behind dispatch.
+GEMM epilogue, a third fused kernel beside the Gluon ones (launch/quack_launch.py says which
+layers the dispatch gives it).
 
 QuACK (`quack-kernels`) and the CuTe DSL (`nvidia-cutlass-dsl`) are optional GPU
 dependencies (`pip install forge-hf[hopper]`): nothing here imports them until
