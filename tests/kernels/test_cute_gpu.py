@@ -17,6 +17,7 @@ from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
 from forge_hf.kernels import cute
+from tests.helpers import quack_on_hopper
 
 BF16, FP32 = torch.bfloat16, torch.float32
 RAGGED = (1000, 1496, 777)  # out, in, tokens
@@ -24,15 +25,7 @@ TILED = (512, 768, 256)
 SALT = 77
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cute.available(), reason="needs QuACK and the CuTe DSL (forge-hf[hopper])"),
-    pytest.mark.skipif(not _hopper(), reason="QuACK's sm90 engine needs a Hopper GPU"),
-]
+pytestmark = quack_on_hopper()
 
 # Hyperparameters under which each rule keeps all its slots; RAdam's steps 4-6 cross its
 # rectification threshold (rho_t > 5 from step 6), so both sides of its ops.where are taken

@@ -10,22 +10,14 @@ import torch
 from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.kernels import cute
-from tests.helpers import exact_gradient, exact_inputs
+from tests.helpers import exact_gradient, exact_inputs, quack_on_hopper
 
 BF16 = torch.bfloat16
 N, K, T = 1000, 1496, 777  # out, in, tokens: no multiple of the tile
 TILE = 128  # the CTA tile of wgrad_epilogue.DEFAULT_CONFIG: the skip's granularity
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cute.available(), reason=f"needs QuACK and the CuTe DSL: {cute.INSTALL_HINT}"),
-    pytest.mark.skipif(not _hopper(), reason="QuACK's sm90 GEMM needs a Hopper GPU"),
-]
+pytestmark = quack_on_hopper()
 
 
 @pytest.fixture(scope="module")

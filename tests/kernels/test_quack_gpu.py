@@ -5,23 +5,16 @@ beside the Gluon kernel, gives them whichever it keeps."""
 import pytest
 import torch
 
-from forge_hf.kernels import cute, dispatch
+from forge_hf.kernels import dispatch
 from forge_hf.kernels.dispatch import bind_fused_update, launch_fused_update
 from forge_hf.kernels.launch import quack_launch
+from tests.helpers import quack_on_hopper
 from tests.kernels.test_dispatch import _steps
 
 N, K, TOKENS = 1000, 1496, 1100  # no multiple of the engine's 128 x 128 tile; from MIN_TOKENS
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cute.available(), reason=f"needs QuACK and the CuTe DSL: {cute.INSTALL_HINT}"),
-    pytest.mark.skipif(not _hopper(), reason="QuACK's sm90 GEMM needs a Hopper GPU"),
-]
+pytestmark = quack_on_hopper()
 
 
 def _triton_steps(precision):
