@@ -111,3 +111,35 @@ def test_rules_with_empty_slots(rule_name, hp, steps_before):
     ("lion", dict(weight_decay=0.1), "fp32", FP32)], ids=["adamw", "rmsprop", "lion_fp32"])
 def test_a_shape_of_whole_tiles(rule_name, hp, precision, weight_dtype):
     assert_same_bits(TILED, rule_name, hp, precision, weight_dtype, True, 0)
+
+
+def test_the_engine_replays_in_a_cuda_graph_as_it_runs_eagerly():
+    """A step captured once and replayed with each step's argument row gives the eager steps'
+    bits and statistics: the engine launches on torch's current stream and reads its scalars
+    from the row at run time (launch/quack_launch.py runs it inside the Trainer's graphs)."""
+    W = cute.load()
+    runs = []
+    for captured in (False, True):
+        x, dy, w, state, rule, group = _layer(RAGGED, "adamw", dict(weight_decay=0.1), "bf16", BF16, 0)
+        slots, stats = state.kernel_slots(), torch.zeros(2, device="cuda")
+        args = pack_args(rule.prepare(group, state.host), state.host["step"], SALT, "cuda")
+        W.fused_step(x, dy, w, slots, args, stochastic=True, stats=stats)  # eager: compiles
+        graph = torch.cuda.CUDAGraph()
+        if captured:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+                W.fused_step(x, dy, w, slots, args, stochastic=True, stats=stats)
+            torch.cuda.current_stream().wait_stream(side)
+        for _ in range(2):
+            args.copy_(pack_args(rule.prepare(group, state.host), state.host["step"], SALT, "cuda"))
+            if captured:
+                graph.replay()
+            else:
+                W.fused_step(x, dy, w, slots, args, stochastic=True, stats=stats)
+        torch.cuda.synchronize()
+        runs.append([w, *[s for s in slots if s is not None], stats])
+    eager, replayed = runs
+    for a, b in zip(eager[:-1], replayed[:-1]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(replayed[-1], eager[-1], rtol=1e-5, atol=0)
