@@ -274,13 +274,17 @@ def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "trito
     ``+non_blocking`` for batches copied without blocking the host and ``+no_step_sync`` for
     steps timed as the intervals between their ends, so that the report keeps configurations
     and ways of timing apart. A forge arm run with FORGE_HF_KERNEL or FORGE_HF_WGRAD set in the
-    environment is named by it too (``+kernel_persistent``, ``+wgrad_two_pass``)."""
+    environment is named by it too (``+kernel_persistent``, ``+wgrad_two_pass``), and one whose
+    auto may take QuACK's engine (forge-hf[hopper] installed) by ``+quack``."""
     tags = ["liger"] if liger else []
     if arm.removeprefix("sft_").startswith("forge"):
         tags += sorted(item.partition("=")[0].strip() for item in forge_options.split(",") if item.strip())
         tags += ["torch_loss_rows"] * (loss_rows == "torch") + ["no_overlap"] * (not overlap)
         tags += [f"{tag}_{os.environ[env]}" for tag, env in (("kernel", "FORGE_HF_KERNEL"), ("wgrad", "FORGE_HF_WGRAD"))
                  if os.environ.get(env)]
+        if os.environ.get("FORGE_HF_KERNEL", "auto") in ("", "auto"):
+            from forge_hf.kernels import cute
+            tags += ["quack"] * cute.available()
     tags += ["non_blocking"] * non_blocking + ["no_step_sync"] * (not step_sync)
     return "+".join([f"trainer_{arm}", *tags])
 

@@ -38,6 +38,15 @@ def test_an_arm_is_named_by_its_options(trainer_bench, monkeypatch):
     assert label("forge", "lean_loss=true", True, step_sync=False) == \
         "trainer_forge+liger+lean_loss+kernel_persistent+wgrad_two_pass+no_step_sync"
     assert label("adamw_fused", "", False) == "trainer_adamw_fused"
+    # with QuACK's engine installed, auto may take it: forge arms say so, unless a kernel is chosen
+    from forge_hf.kernels import cute
+    monkeypatch.setattr(cute, "_REQUIRED", ())
+    monkeypatch.delenv("FORGE_HF_WGRAD")
+    monkeypatch.delenv("FORGE_HF_KERNEL")
+    assert label("forge", "", True) == "trainer_forge+liger+quack"
+    assert label("adamw_fused", "", True) == "trainer_adamw_fused+liger"
+    monkeypatch.setenv("FORGE_HF_KERNEL", "quack")
+    assert label("forge", "", True) == "trainer_forge+liger+kernel_quack"
 
 
 def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_bench):
