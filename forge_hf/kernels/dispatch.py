@@ -105,10 +105,12 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
         fused = quack
 
     def measure(x, dy, args) -> dict[str, PathTimes]:
-        bind_copy = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
-        bind_quack = None if quack is None or quack_requested() else \
-            lambda w, s, st: _bind_quack(w, s, rule_name, stochastic, bind_copy(w, s, st))
-        return _measure_paths(bind_copy, x, dy, weight, slots, args, rule_name, stochastic, bind_quack)
+        bind_gluon = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
+        bind_engine = lambda w, s, st: _bind_quack(w, s, rule_name, stochastic, bind_gluon(w, s, st))
+        if quack is not None and quack_requested():  # the fused path is the engine's
+            return _measure_paths(bind_engine, x, dy, weight, slots, args, rule_name, stochastic)
+        return _measure_paths(bind_gluon, x, dy, weight, slots, args, rule_name, stochastic,
+                              None if quack is None else bind_engine)
 
     chosen: dict = {}  # (tokens, token dtype, captured) -> this layer's path for them
 

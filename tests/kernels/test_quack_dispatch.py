@@ -168,3 +168,17 @@ def test_the_tokens_the_engine_takes():
     assert f"from {many}" in quack_tokens_unsupported(x[:-1], dy[:-1])
     assert "bf16" in quack_tokens_unsupported(x.float(), dy)
     assert "contiguous" in quack_tokens_unsupported(torch.zeros(16, many, dtype=torch.bfloat16).t(), dy)
+
+
+@interpreter_only
+def test_under_forge_hf_kernel_quack_auto_times_the_engine_as_the_fused_path(engine, monkeypatch,
+                                                                              fresh_wgrad_choices):
+    monkeypatch.setenv("FORGE_HF_KERNEL", "quack")
+    monkeypatch.setattr(dispatch, "_unmeasurable", lambda x, dy, device: None)
+    w, state, rule, group = _layer()
+    timer = _FakeTimer(dict(fused=PathTimes(1.0, GPU_BOUND), two_pass=PathTimes(2.0, GPU_BOUND)), w)
+    monkeypatch.setattr(dispatch, "_time_paths_ms", timer)
+    _run(bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True), rule, group, state)
+    assert timer.paths == [["fused", "two_pass"]]
+    # the engine stepped the timing's copy, then the layer at both steps
+    assert [t is w for t in engine] == [False, True, True]
