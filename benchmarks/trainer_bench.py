@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import cProfile
 import gc
+import importlib.util
 import json
 import os
 import pstats
@@ -267,6 +268,12 @@ LIGER = dict(use_liger_kernel=True, liger_kernel_config=dict(rope=True, rms_norm
                                                              cross_entropy=False, fused_linear_cross_entropy=False))
 
 
+def quack_installed() -> bool:
+    """Whether forge-hf[hopper]'s packages are present, found without importing forge_hf: a
+    forge_hf imported before transformers registers no optimizer names with it."""
+    return all(importlib.util.find_spec(name) is not None for name in ("cutlass", "quack"))
+
+
 def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "triton", overlap: bool = True,
               step_sync: bool = True, non_blocking: bool = False) -> str:
     """The row's arm: ``trainer_<arm>``, then ``+liger``, ``+<key>`` for each forge option given
@@ -283,8 +290,7 @@ def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "trito
         tags += [f"{tag}_{os.environ[env]}" for tag, env in (("kernel", "FORGE_HF_KERNEL"), ("wgrad", "FORGE_HF_WGRAD"))
                  if os.environ.get(env)]
         if os.environ.get("FORGE_HF_KERNEL", "auto") in ("", "auto"):
-            from forge_hf.kernels import cute
-            tags += ["quack"] * cute.available()
+            tags += ["quack"] * quack_installed()
     tags += ["non_blocking"] * non_blocking + ["no_step_sync"] * (not step_sync)
     return "+".join([f"trainer_{arm}", *tags])
 
