@@ -101,13 +101,14 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     scratch = scratch_for(weight.device)
     two_pass = _bind_two_pass(weight, slots, rule_name, stochastic, scratch)
     quack = _bind_quack(weight, slots, rule_name, stochastic, fused)
-    if quack is not None and quack_requested():
+    engine_is_fused = quack is not None and quack_requested()  # FORGE_HF_KERNEL=quack: the fused path is the engine's
+    if engine_is_fused:
         fused = quack
 
     def measure(x, dy, args) -> dict[str, PathTimes]:
         bind_gluon = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
         bind_engine = lambda w, s, st: _bind_quack(w, s, rule_name, stochastic, bind_gluon(w, s, st))
-        if quack is not None and quack_requested():  # the fused path is the engine's
+        if engine_is_fused:
             return _measure_paths(bind_engine, x, dy, weight, slots, args, rule_name, stochastic)
         return _measure_paths(bind_gluon, x, dy, weight, slots, args, rule_name, stochastic,
                               None if quack is None else bind_engine)
@@ -125,8 +126,7 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
                 path = choice.graph_path if captured else choice.path
                 if choice.graph_path == "two_pass" and path != "two_pass":
                     scratch.reserve(weight.numel())  # a capture's steps will use it
-                run = chosen[(x.shape[0], x.dtype, captured)] = \
-                    two_pass if path == "two_pass" else quack if path == "quack" and quack is not None else fused
+                run = chosen[(x.shape[0], x.dtype, captured)] = {"two_pass": two_pass, "quack": quack}.get(path, fused)
         run(x, dy, args, stats)
     return launch
 
