@@ -56,19 +56,22 @@ def device_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def weight_layout_unsupported(weight, slots, multiple: int) -> str | None:
-    """Why a weight and its state slots do not suit a Gluon kernel whose tiles are ``multiple``
-    wide (None: they do)."""
+def weight_layout_unsupported(weight, slots, multiple: int, kinds: tuple = KINDS,
+                              other_kind: str = "a state slot is neither bf16, int8, al8 nor absent") -> str | None:
+    """Why a weight and its state slots do not suit a kernel whose tiles are ``multiple`` wide
+    and which stores ``kinds`` of state (None: they do); ``other_kind``: what a slot of another
+    kind is told."""
     if weight.dtype != torch.bfloat16:
         return "the weight must be bf16"
     n, k = weight.shape
     if n % multiple or k % multiple:
-        return f"weight shape {tuple(weight.shape)} is not a multiple of {multiple}"
+        return (f"weight shape {tuple(weight.shape)} is not a multiple of {multiple}: both sides must be "
+                f"multiples of {multiple}")
     if weight.stride() != (k, 1) or not aligned(weight):
         return "weight is not row-major and 16-byte aligned"
     for slot in slots:
-        if storage_kind(slot) not in KINDS:
-            return "a state slot is neither bf16, int8, al8 nor absent"
+        if storage_kind(slot) not in kinds:
+            return other_kind
         codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
         if codes is not None and (codes.stride() != weight.stride() or not aligned(codes)):
             return "a state slot is not laid out as the weight"

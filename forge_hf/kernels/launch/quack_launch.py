@@ -10,9 +10,14 @@ from __future__ import annotations
 import torch
 
 from ...core import codecs
-from ...core.codecs import storage_kind
 from .. import cute
-from .gluon_launch import KERNEL_ENV, aligned, kernel_choice, tokens_unsupported
+from .gluon_launch import (
+    KERNEL_ENV,
+    device_unsupported,
+    kernel_choice,
+    tokens_unsupported,
+    weight_layout_unsupported,
+)
 
 # Below this many tokens a step the GEMM's mainloop is too short to hide the update under:
 # the persistent Gluon kernel is the faster there (kernel_microbench, cute_probe)
@@ -41,26 +46,14 @@ def quack_layer_unsupported(weight, slots) -> str | None:
     missing = cute.missing_packages()
     if missing:
         return f"{', '.join(missing)} not installed ({cute.INSTALL_HINT})"
-    if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] != 9:
-        return "not a Hopper GPU (QuACK's sm90 GEMM)"
-    return quack_layout_unsupported(weight, slots)
+    return device_unsupported(weight.device) or quack_layout_unsupported(weight, slots)
 
 
 def quack_layout_unsupported(weight, slots) -> str | None:
-    """Why a weight and its states do not suit the engine's TMA loads and stores (None: they do)."""
-    if weight.dtype != torch.bfloat16:
-        return "the weight must be bf16"
-    n, k = weight.shape
-    if n % 8 or k % 8:
-        return f"weight shape {tuple(weight.shape)}: both sides must be multiples of 8 (16-byte TMA rows)"
-    if weight.stride() != (k, 1) or not aligned(weight):
-        return "weight is not row-major and 16-byte aligned"
-    for slot in slots:
-        if storage_kind(slot) not in KINDS:
-            return "8-bit states are not on the QuACK engine (the wide Gluon kernel takes them)"
-        if slot is not None and (slot.stride() != weight.stride() or not aligned(slot)):
-            return "a state slot is not laid out as the weight"
-    return None
+    """Why a weight and its states do not suit the engine's TMA loads and stores, rows of
+    16 bytes (None: they do)."""
+    return weight_layout_unsupported(weight, slots, 8, KINDS,
+                                     "8-bit states are not on the QuACK engine (the wide Gluon kernel takes them)")
 
 
 def quack_tokens_unsupported(x, dy) -> str | None:
