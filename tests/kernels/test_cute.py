@@ -89,3 +89,22 @@ def test_epilogues_are_built_once_per_kind_at_first_use():
     assert set(keywords["out"]) == {"D", "square_avg_new", "grad_avg_new"} and "momentum_buffer" not in keywords
     assert W.CONSTANTS_READ == {"adamw": 7, "nadam": 9, "radam": 11, "lion": 6, "rmsprop": 8, "adagrad": 3,
                                 "sgd": 7}
+
+
+@with_packages
+def test_a_layers_prepared_call_is_the_checked_call():
+    """layer_call, made once for a layer (launch/quack_launch.py), gives each step the call
+    step_call checks and builds from scratch."""
+    import torch
+
+    W = cute.load()
+    x, dy, w, slots, args = _layer()
+    stats = torch.zeros(2)
+    epilogue, operands, keywords = W.step_call(x, dy, w, slots, args, stats=stats)
+    again = W.step_call(x, dy, w, slots, args, stats=stats, layer=W.layer_call(w, slots))
+    assert again[0] is epilogue and list(again[2]) == list(keywords)
+    for name, value in keywords.items():
+        assert again[2][name] is value or (torch.is_tensor(value) and again[2][name].data_ptr() == value.data_ptr()
+                                           and torch.equal(again[2][name], value)) or again[2][name] == value
+    with pytest.raises(ValueError, match="bf16 x and dy"):  # a step's tokens are still checked
+        W.step_call(x.float(), dy, w, slots, args, layer=W.layer_call(w, slots))

@@ -365,7 +365,16 @@ def _slot_kinds(rule: str, slots, weight) -> tuple[int, ...]:
     return tuple(storage_kind(slot) for slot in (*slots, *[None] * (MAX_SLOTS - len(slots))))
 
 
-def _check(x, dy, weight, stats):
+def _check_weight(weight):
+    if weight.dtype not in FLOATS or not weight.is_contiguous():
+        raise ValueError(f"the QuACK epilogue takes a contiguous bf16 or fp32 weight, got {weight.dtype}"
+                         f"{'' if weight.is_contiguous() else ' non-contiguous (a transposed Conv1D weight?)'}")
+    N, K = weight.shape
+    if N % 8 or K % 8:  # dY^T's token stride is N, X's is K; any token count
+        raise ValueError(f"TMA needs 16-byte strides: out ({N}) and in ({K}) features multiples of 8")
+
+
+def _check_step(x, dy, weight, stats, rolled):
     T, K = x.shape
     N = dy.shape[1]
     if tuple(weight.shape) != (N, K) or dy.shape[0] != T:
@@ -373,23 +382,18 @@ def _check(x, dy, weight, stats):
     if x.dtype != torch.bfloat16 or dy.dtype != torch.bfloat16 or not (x.is_contiguous() and dy.is_contiguous()):
         raise ValueError(f"the QuACK epilogue multiplies contiguous bf16 x and dy (got {x.dtype}, {dy.dtype}): "
                          "fp32 tokens take the Triton fused kernel")
-    if weight.dtype not in FLOATS or not weight.is_contiguous():
-        raise ValueError(f"the QuACK epilogue takes a contiguous bf16 or fp32 weight, got {weight.dtype}"
-                         f"{'' if weight.is_contiguous() else ' non-contiguous (a transposed Conv1D weight?)'}")
-    if N % 8 or K % 8:  # dY^T's token stride is N, X's is K; any token count
-        raise ValueError(f"TMA needs 16-byte strides: out ({N}) and in ({K}) features multiples of 8")
     if stats is not None and (stats.dtype != torch.float32 or stats.shape != (2,) or not stats.is_contiguous()
                               or stats.device != weight.device):
         raise ValueError("stats: a contiguous fp32 tensor of 2 on the weight's device")
-
-
-def step_call(x, dy, weight, slots, args, rule="adamw", stochastic=True, cfg=None, rolled=True, stats=None):
-    """(epilogue, operands, keywords) of one fused step: ``epilogue(*operands, tuned=False,
-    **keywords)`` runs it, ``epilogue.plan(*operands, **keywords)`` compiles it without a launch.
-    Arguments as fused_step's."""
-    _check(x, dy, weight, stats)
     if stats is not None and not rolled:
         raise ValueError("stats: only the rolled epilogue records statistics")
+
+
+def layer_call(weight, slots, rule="adamw", stochastic=True, cfg=None, rolled=True) -> tuple:
+    """What every step of one layer shares: (epilogue, keywords), the weight and its states
+    checked once (a ValueError says what the engine does not take); step_call adds a step's
+    tokens and scalars. Arguments as fused_step's."""
+    _check_weight(weight)
     states = _slot_kinds(rule, list(slots), weight)
     weight_bf16 = weight.dtype == torch.bfloat16
     # no bf16 store: stochastic and nearest rounding are one kernel
@@ -398,13 +402,25 @@ def step_call(x, dy, weight, slots, args, rule="adamw", stochastic=True, cfg=Non
     present = {name: slot for name, slot in zip(state_operands(rule, states), slots) if name is not None}
     K = weight.shape[1]
     keywords = dict(out={"D": weight, **{f"{name}_new": slot for name, slot in present.items()}},
-                    config=cfg or DEFAULT_CONFIG, **present, elem=K, k_cols=K, **scalar_views(args, rule))
+                    config=cfg or DEFAULT_CONFIG, **present, elem=K, k_cols=K)
+    return epilogue, keywords
+
+
+def step_call(x, dy, weight, slots, args, rule="adamw", stochastic=True, cfg=None, rolled=True, stats=None,
+              layer=None):
+    """(epilogue, operands, keywords) of one fused step: ``epilogue(*operands, tuned=False,
+    **keywords)`` runs it, ``epilogue.plan(*operands, **keywords)`` compiles it without a launch.
+    Arguments as fused_step's."""
+    _check_step(x, dy, weight, stats, rolled)
+    epilogue, keywords = layer or layer_call(weight, slots, rule, stochastic, cfg, rolled)
+    keywords = {**keywords, **scalar_views(args, rule)}
     if rolled:
         keywords["stats"] = tile_stats.OFF if stats is None else stats
     return epilogue, (dy.t(), x, weight), keywords
 
 
-def fused_step(x, dy, weight, slots, args, rule="adamw", stochastic=True, cfg=None, rolled=True, stats=None):
+def fused_step(x, dy, weight, slots, args, rule="adamw", stochastic=True, cfg=None, rolled=True, stats=None,
+               layer=None):
     """One step of ``rule`` on a weight and its states, all updated in place: x (T, K) and dy
     (T, N) bf16, weight (N, K) bf16 or fp32, ``slots`` the rule's state tensors in slot order
     (bf16 or fp32, the weight's shape; None where a slot keeps none, as dispatch passes them),
@@ -414,8 +430,11 @@ def fused_step(x, dy, weight, slots, args, rule="adamw", stochastic=True, cfg=No
     gradient is not finite is left unchanged (tile_stats.py), as the Triton kernel does with
     its 64 x 64 blocks; ``stats`` (fp32, 2), where given, gets the applied tiles' squared
     gradient sum and the count of skipped tiles added. The unrolled epilogue (``rolled=False``)
-    neither skips nor counts. A ValueError says what the engine does not take."""
-    epilogue, operands, keywords = step_call(x, dy, weight, slots, args, rule, stochastic, cfg, rolled, stats)
+    neither skips nor counts. ``layer``: layer_call's result for these weight, slots and
+    options, so repeated steps of a layer skip its checks. A ValueError says what the engine
+    does not take."""
+    epilogue, operands, keywords = step_call(x, dy, weight, slots, args, rule, stochastic, cfg, rolled, stats,
+                                             layer)
     epilogue(*operands, tuned=False, **keywords)
 
 

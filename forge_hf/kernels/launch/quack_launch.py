@@ -75,6 +75,8 @@ class QuackLaunch:
         self.weight, self.slots = weight, list(slots)
         self.rule_name, self.stochastic = rule_name, stochastic
         self.kernels = cute.load()
+        # the weight's and states' checks and the epilogue, once, not at every step
+        self.layer = self.kernels.layer_call(weight, self.slots, rule_name, stochastic)
         self._eager_tokens: set[int] = set()
 
     def __call__(self, x, dy, args, stats) -> bool:
@@ -86,5 +88,5 @@ class QuackLaunch:
                 return False
             self._eager_tokens.add(tokens)
         self.kernels.fused_step(x, dy, self.weight, self.slots, args, rule=self.rule_name,
-                                stochastic=self.stochastic, stats=stats)
+                                stochastic=self.stochastic, stats=stats, layer=self.layer)
         return True
