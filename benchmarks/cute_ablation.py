@@ -6,10 +6,10 @@ replay (median), with QuACK's plain GEMM and cuBLAS as the floor.
   python benchmarks/cute_ablation.py --epi-tile 64x64 --variants fused_sr,copy_through
   ncu ... python benchmarks/cute_ablation.py --ncu fused_sr --shapes gate_proj --tokens 2048
 
-Variants: fused_sr / fused_rn (the step with its statistics, stochastic or nearest rounding; _unrolled: with
-QuACK's own epilogue driver, its subtiles unrolled), copy_through (its
-loads and stores, no arithmetic), stores_only, weight_only (one load, one store), math_sr /
-math_rn (the rule and roundings, no loads), plain_bf16 (the GEMM alone). --epi-tile overrides
+Variants: fused_sr / fused_rn (the step with its statistics, stochastic or nearest rounding;
+_unrolled: with QuACK's own epilogue driver, its subtiles unrolled), copy_through (its loads
+and stores, no arithmetic), stores_only, weight_only (one load, one store), math_sr / math_rn
+(the rule and roundings, no loads), plain_bf16 (the GEMM alone). --epi-tile overrides
 QuACK's epilogue subtile (M x N), --epi-c-stages its epilogue load stages and --cluster the
 cluster shape, for every kernel of the process; QuACK's disk cache is off so an override never
 meets a kernel built without it. Rows go to the results table.
