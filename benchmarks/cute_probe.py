@@ -61,7 +61,7 @@ def attempt(what, fn):
 
 
 def layer(n, k, t, seed=0):
-    """x, dy, weight, moments and the launch's argument row three AdamW steps in."""
+    """x, dy, weight, moments (bf16) and the launch's argument row three AdamW steps in."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
     dy = (torch.randn(t, n, device="cuda", generator=g) * 1e-3).to(torch.bfloat16)
@@ -156,8 +156,24 @@ def gpu_ms(fn):
         return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median"), "eager"
 
 
-def time_shape(W, name, n, k, count, tokens, configs):
+def state_slots(w, m, v, precision):
+    """The moments m, v held in ``precision`` (bf16 as they are; int8 or al8 encoded), as the
+    kernel's slots."""
+    if precision == "bf16":
+        return [m, v]
+    from forge_hf.core.state import ForgeState
+    rule = get_rule("adamw")
+    state = ForgeState(rule, precision, transposed=False)
+    state.allocate(w, make_group(rule, dict(lr=1e-3, weight_decay=0.01)))
+    slots = state.kernel_slots()[:2]
+    for slot, value in zip(slots, (m, v)):
+        slot.write(value.float())
+    return slots
+
+
+def time_shape(W, name, n, k, count, tokens, configs, precision):
     x, dy, w, m, v, args = layer(n, k, tokens)
+    slots = state_slots(w, m, v, precision)
     out32 = torch.empty(n, k, device="cuda")
     out16 = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
     row = dict(shape=name, out=n, inp=k, count=count, tokens=tokens)
@@ -170,16 +186,16 @@ def time_shape(W, name, n, k, count, tokens, configs):
         row[f"gemm_bf16_{label}"] = attempt(f"gemm bf16 {label} {name}",
                                             lambda cfg=cfg: gpu_ms(lambda: W.wgrad(x, dy, out16, cfg))[0])
         row[f"fused_{label}"] = attempt(f"fused {label} {name}", lambda cfg=cfg: gpu_ms(
-            lambda: W.fused_step(x, dy, w, [m, v], args, "adamw", stochastic=True, cfg=cfg, stats=stats))[0])
+            lambda: W.fused_step(x, dy, w, slots, args, "adamw", stochastic=True, cfg=cfg, stats=stats))[0])
     say(f"{tokens:5d} {name:18s} {n:6d}x{k:<6d} x{count:<3d} " + " ".join(
         f"{key} {val:.3f}" for key, val in row.items() if isinstance(val, float)))
     return row
 
 
-def timings(W, tokens, configs):
+def timings(W, tokens, configs, precision):
     rows = []
     for name, n, k, count in linear_shapes("llama-3.1-8b"):
-        rows.append(time_shape(W, name, n, k, count, tokens, configs))
+        rows.append(time_shape(W, name, n, k, count, tokens, configs, precision))
         torch.cuda.empty_cache()
     return rows
 
@@ -206,6 +222,7 @@ def main():
     ap.add_argument("--tokens", default="2048,4096")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {list(CONFIGS)}")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--state", default="bf16", choices=["bf16", "int8", "al8"], help="the fused step's AdamW moments")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON and the results table")
     ap.add_argument("--table", default=None, help="results table (default: OUT/results.csv)")
     opts = ap.parse_args()
@@ -224,7 +241,7 @@ def main():
         report["checks"] = checks(W, W.DEFAULT_CONFIG)
         say(f"checks done at {time.time() - started:.0f} s")
     for tokens in (int(t) for t in opts.tokens.split(",")):
-        rows = timings(W, tokens, configs)
+        rows = timings(W, tokens, configs, opts.state)
         report["timings"][tokens] = rows
         report["sums"][tokens] = sums(rows)
         say(f"timings at {tokens} done at {time.time() - started:.0f} s")
@@ -241,9 +258,10 @@ def main():
             if ms is None:
                 continue
             name = {"cublas": "cublas_wgrad"}.get(arm, arm.replace("gemm_", "engine_quack_gemm_")
-                                                   .replace("fused_", "kernel_cute_bf16_"))
+                                                   .replace("fused_", f"kernel_cute_{opts.state}_"))
             table.append(dict(model="llama-3.1-8b", batch=f"1x{tokens}", arm=name, step_ms=ms, tool="cute_probe",
-                              note=f"QuACK sm90 GEMM engine; {ratio} cuBLAS; AdamW bf16 state, stochastic rounding, "
+                              note=f"QuACK sm90 GEMM engine; {ratio} cuBLAS; AdamW {opts.state} state, stochastic "
+                                   "rounding, "
                                    "tile statistics and non-finite skip; CUDA-graph replays, sum over 225 linears"))
     if table:
         path = attempt("results table", lambda: append_rows(table, opts.table or out / "results.csv"))

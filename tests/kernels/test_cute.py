@@ -49,13 +49,23 @@ def _layer(weight_dtype=None, state_dtype=None, n=64, k=96, t=10):
 
 @with_packages
 def test_refusals_name_what_the_engine_does_not_take():
-    from forge_hf.core.codecs import CODECS, QuantisedSlot
+    from dataclasses import replace
+
+    from forge_hf.core.codecs import CODECS, LEGACY_AL8_CODEC, QuantisedSlot
 
     W = cute.load()
     x, dy, w, slots, args = _layer()
     int8 = QuantisedSlot.empty_like(w, CODECS["absmax8"], transposed=False)
+    legacy = replace(int8, codec=LEGACY_AL8_CODEC)
+    wide = _layer(k=104)  # in features a multiple of 8, not 16
+    wide_int8 = QuantisedSlot.empty_like(wide[2], CODECS["absmax8"], transposed=False)
+    moved = replace(int8, meta=int8.meta.contiguous())
     refusals = {
-        "not on the QuACK engine yet: the Triton fused kernel": (x, dy, w, [int8, slots[1], None], "adamw"),
+        "0.1.0 are read by the Triton kernels only": (x, dy, w, [legacy, slots[1], None], "adamw"),
+        "a multiple of 16": (*wide[:3], [wide_int8, wide[3][1], None], "adamw"),
+        "not as QuantisedSlot.empty_like allocates it": (x, dy, w, [moved, slots[1], None], "adamw"),
+        "contiguous torch.int8 codes": (x, dy, w, [replace(int8, codes=int8.codes.t().contiguous().t()),
+                                                   slots[1], None], "adamw"),
         "lion keeps 1 state slot": (x, dy, w, slots, "lion"),
         "unknown optimizer": (x, dy, w, slots, "adam"),
         "bf16 or fp32 states": (x, dy, w, [slots[0].half(), slots[1], None], "adamw"),
@@ -108,3 +118,25 @@ def test_a_layers_prepared_call_is_the_checked_call():
                                            and torch.equal(again[2][name], value)) or again[2][name] == value
     with pytest.raises(ValueError, match="bf16 x and dy"):  # a step's tokens are still checked
         W.step_call(x.float(), dy, w, slots, args, layer=W.layer_call(w, slots))
+
+
+@with_packages
+def test_an_8bit_layer_hands_its_codes_as_bytes_and_its_metadata_to_the_codec_ops():
+    import torch
+
+    from forge_hf.core.codecs import CODECS, QuantisedSlot
+
+    W = cute.load()
+    x, dy, w, _, args = _layer(k=128)
+    m = QuantisedSlot.empty_like(w, CODECS["absmax8"], transposed=False)
+    v = QuantisedSlot.empty_like(w, CODECS["al8"], transposed=False)
+    epilogue, operands, keywords = W.step_call(x, dy, w, [m, v, None], args, stochastic=True)
+    assert epilogue.fn.__name__ == "adamw_bf16_absmax8_al8_sr"
+    assert keywords["exp_avg"].dtype == torch.uint8 and keywords["exp_avg"].data_ptr() == m.codes.data_ptr()
+    assert keywords["out"]["exp_avg_sq_new"].data_ptr() == v.codes.data_ptr()
+    assert keywords["exp_avg_sq_meta"] is v.meta and keywords["exp_avg_sq_encode"] is v.meta
+    assert keywords["exp_avg_sq_word"] == 0.0 and "exp_avg_word" not in keywords  # absmax8 rounds to nearest
+    nearest = W.step_call(x, dy, w, [m, v, None], args, stochastic=False)
+    assert nearest[0].fn.__name__ == "adamw_bf16_absmax8_al8_rn" and "exp_avg_sq_word" not in nearest[2]
+    with pytest.raises(ValueError, match="rolled epilogue only"):
+        W.step_call(x, dy, w, [m, v, None], args, rolled=False)

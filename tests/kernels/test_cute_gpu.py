@@ -1,7 +1,8 @@
 """The fused step on QuACK's Hopper GEMM (kernels/cute/wgrad_epilogue.py) against the Triton
-fused kernel (kernels/triton/fused_update.py) on a Hopper GPU: every rule, fp32 and bf16 states,
-stochastic and nearest rounding, bf16 and fp32 weights, three steps each, on a shape that is no
-multiple of the 128 x 128 tile (nor of the Triton kernel's 64 x 64 blocks) and on one that is.
+fused kernel (kernels/triton/fused_update.py) on a Hopper GPU: every rule, fp32, bf16, int8 and
+al8 states, stochastic and nearest rounding, bf16 and fp32 weights, three steps each, on a shape
+that is no multiple of the 128 x 128 tile (nor of the Triton kernel's 64 x 64 blocks, nor of the
+8-bit codes' 64-column blocks) and on one that is.
 Both form each gradient entry from the same 64-token wgmma chunks in the same order and run
 the same rule code on the same fp32 operations, so weights and states are compared bit for bit.
 
@@ -13,6 +14,7 @@ and Triton's disk caches keep them for the next run."""
 import pytest
 import torch
 
+from forge_hf.core.codecs import QuantisedSlot
 from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
@@ -21,6 +23,7 @@ from tests.helpers import quack_on_hopper
 
 BF16, FP32 = torch.bfloat16, torch.float32
 RAGGED = (1000, 1496, 777)  # out, in, tokens
+RAGGED_8BIT = (1000, 1504, 777)  # in features a multiple of 16 (TMA rows of codes), the last codec block half full
 TILED = (512, 768, 256)
 SALT = 77
 
@@ -69,7 +72,18 @@ def _steps(engine, shape, rule_name, hp, precision, weight_dtype, stochastic, st
             blocks = default_config(*w.shape, x.shape[0])["blocks"]
             launch_fused_update(x, dy, w, slots, args, stats, rule_name, stochastic, blocks=blocks)
     torch.cuda.synchronize()
-    return {"weight": w, **{name: s for name, s in zip(rule.slot_names, slots) if s is not None}}
+    return {"weight": w, **stored_tensors(rule.slot_names, slots)}
+
+
+def stored_tensors(names, slots) -> dict:
+    """Each present slot's stored tensors by name: an 8-bit slot's codes and metadata."""
+    stored = {}
+    for name, slot in zip(names, slots):
+        if isinstance(slot, QuantisedSlot):
+            stored.update({name: slot.codes, f"{name}_meta": slot.meta})
+        elif slot is not None:
+            stored[name] = slot
+    return stored
 
 
 def assert_same_bits(shape, rule_name, hp, precision, weight_dtype, stochastic, steps_before):
@@ -79,9 +93,9 @@ def assert_same_bits(shape, rule_name, hp, precision, weight_dtype, stochastic, 
     assert not torch.equal(want["weight"], w0), "the steps left the weight as it was: nothing would be compared"
     assert got.keys() == want.keys()
     for name in want:
-        bits = got[name].view(torch.int16), want[name].view(torch.int16)  # fp32: two 16-bit halves an element
-        differ = (bits[0] != bits[1]).sum().item()
-        assert differ == 0, f"{name}: {differ} of {bits[0].numel()} 16-bit words differ from the Triton kernel's"
+        bytes_ = (t.contiguous().view(torch.uint8) for t in (got[name], want[name]))
+        differ = torch.ne(*bytes_).sum().item()
+        assert differ == 0, f"{name}: {differ} bytes of {got[name].nbytes} differ from the Triton kernel's"
 
 
 @pytest.mark.parametrize("stochastic", [True, False], ids=["sr", "rn"])
@@ -90,6 +104,21 @@ def assert_same_bits(shape, rule_name, hp, precision, weight_dtype, stochastic, 
 def test_every_rule_and_state_precision_gives_the_triton_kernels_bits(rule_name, hp, steps_before, precision,
                                                                       stochastic):
     assert_same_bits(RAGGED, rule_name, hp, precision, BF16, stochastic, steps_before)
+
+
+@pytest.mark.parametrize("stochastic", [True, False], ids=["sr", "rn"])
+@pytest.mark.parametrize("precision", ["int8", "al8"])
+@pytest.mark.parametrize("rule_name,hp,steps_before", RULES, ids=[r[0] for r in RULES])
+def test_every_rule_with_8bit_states_gives_the_triton_kernels_bits(rule_name, hp, steps_before, precision,
+                                                                  stochastic):
+    """Codes and block metadata too: absmax8 and al8 on the signed and never-negative slots."""
+    assert_same_bits(RAGGED_8BIT, rule_name, hp, precision, BF16, stochastic, steps_before)
+
+
+@pytest.mark.parametrize("precision", ["int8", "al8"])
+def test_8bit_states_with_empty_slots_and_an_fp32_weight(precision):
+    assert_same_bits(RAGGED_8BIT, "rmsprop", dict(centered=True), precision, BF16, True, 0)
+    assert_same_bits(RAGGED_8BIT, "adamw", dict(weight_decay=0.1), precision, FP32, True, 0)
 
 
 @pytest.mark.parametrize("rule_name,hp,steps_before", RULES, ids=[r[0] for r in RULES])

@@ -105,3 +105,51 @@ def test_a_tile_with_a_non_finite_gradient_is_left_as_it_was_and_counted(kernels
     if with_stats:
         assert stats[1].item() == skipped.sum().item()
         _assert_rel(stats[0].item(), sums[~skipped].sum().item())
+
+
+def test_8bit_states_of_a_skipped_tile_keep_their_codes_and_metadata(kernels):
+    """al8 and absmax8 moments: a tile whose gradient is not finite keeps its codes and its
+    blocks' metadata; every other tile is the Triton kernel's, codes and metadata alike."""
+    from forge_hf.core.state import ForgeState
+    from forge_hf.kernels.dispatch import launch_fused_update
+
+    k8 = 1504  # rows of codes: a multiple of 16 bytes
+    g = torch.Generator().manual_seed(1)
+    x, dy = (t.cuda() for t in exact_inputs((T, k8), N, dtype=BF16, generator=g))
+    w0 = (torch.randn(N, k8, generator=g) * 0.02).to(BF16).cuda()
+    rule = get_rule("adamw")
+    group = make_group(rule, dict(lr=1e-3, weight_decay=0.01))
+
+    def two_steps(engine):
+        """The weight, codes and metadata after a finite step, and after one with a NaN."""
+        w = w0.clone()
+        state = ForgeState(rule, "al8", transposed=False)
+        state.allocate(w, group)
+        slots = state.kernel_slots()
+        after = []
+        for nan in (False, True):
+            grad_dy = dy.clone()
+            if nan:
+                grad_dy[5, 300] = float("nan")  # gradient row 300: here the tiles of rows 256-383
+            args = pack_args(rule.prepare(group, state.host), state.host["step"], 1234, "cuda")
+            if engine == "cute":
+                kernels.fused_step(x, grad_dy, w, slots, args, "adamw", stochastic=True,
+                                   stats=torch.zeros(2, device="cuda"))
+            else:
+                launch_fused_update(x, grad_dy, w, slots, args, torch.zeros(2, device="cuda"), "adamw", True,
+                                    blocks=(64, 64, 64))
+            torch.cuda.synchronize()
+            after.append([t.clone() for t in (w, slots[0].codes, slots[0].meta, slots[1].codes, slots[1].meta)])
+        return after
+
+    cute_first, cute_second = two_steps("cute")
+    triton_first, triton_second = two_steps("triton")
+    raw = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    for a, b in zip(cute_first, triton_first):
+        assert torch.equal(raw(a), raw(b))
+    band = torch.zeros(N, dtype=torch.bool, device="cuda")
+    band[256:384] = True
+    for before, after, triton in zip(cute_first, cute_second, triton_second):
+        assert not torch.equal(raw(after[~band]), raw(before[~band])), "the finite tiles must move"
+        assert torch.equal(raw(after[band]), raw(before[band]))
+        assert torch.equal(raw(after[~band]), raw(triton[~band]))

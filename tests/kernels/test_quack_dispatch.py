@@ -2,9 +2,12 @@
 layers and tokens it takes, FORGE_HF_KERNEL=quack, and auto timing it beside the Gluon kernel.
 The engine is stood in for on CPU; tests/kernels/test_cute_gpu.py checks its bits on a GPU."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from forge_hf.core.codecs import LEGACY_AL8_CODEC
 from forge_hf.core.launch_args import pack_args
 from forge_hf.kernels import cute, dispatch
 from forge_hf.kernels.dispatch import PathTimes, bind_fused_update, fastest_path, launch_fused_update
@@ -152,8 +155,15 @@ def test_the_layers_the_engine_takes():
     assert quack_layout_unsupported(w, state.kernel_slots()) is None
     w, state, *_ = _layer("fp32")
     assert quack_layout_unsupported(w, state.kernel_slots()) is None
-    w, state, *_ = _layer("al8")
-    assert "8-bit states are not on the QuACK engine" in quack_layout_unsupported(w, state.kernel_slots())
+    for precision in ("int8", "al8"):
+        w, state, *_ = _layer(precision, k=144)
+        assert quack_layout_unsupported(w, state.kernel_slots()) is None
+    w, state, *_ = _layer("al8", k=136)
+    assert "multiple of 16: rows of 8-bit codes" in quack_layout_unsupported(w, state.kernel_slots())
+    w, state, *_ = _layer("al8", k=144)
+    slots = state.kernel_slots()
+    legacy = replace(slots[1], codec=LEGACY_AL8_CODEC)
+    assert "0.1.0's al8 codes" in quack_layout_unsupported(w, [slots[0], legacy, None])
     w, state, *_ = adamw_bf16_layer("bf16", 70, 136)
     assert "multiples of 8" in quack_layout_unsupported(w, state.kernel_slots())
     w, state, *_ = _layer("bf16")

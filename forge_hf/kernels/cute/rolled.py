@@ -9,8 +9,9 @@ subtile out of the accumulator, which needs static register indices, stays one s
 per subtile.
 
 This driver covers the fused step's shape of epilogue and refuses others at trace time: the
-C operand and tile loads through TMA, D and tile outputs stored through TMA, no prepass,
-no quantized or predicated stores. An epilogue with a TileStats op (tile_stats.py) has its
+C operand and tile loads through TMA, D and tile outputs stored through TMA, no prepass, no
+predicated stores, and no quantized ones but block_codes.py's 8-bit states (their codes are formed
+just before the stores, on 64-column subtiles). An epilogue with a TileStats op (tile_stats.py) has its
 tile's gradient tested before the first store, and a tile that is not applied is not stored.
 """
 
@@ -26,11 +27,21 @@ from quack.epilogue import frontend
 from quack.epilogue.ops import DStore
 from quack.gemm_sm90 import GemmSm90
 
+from . import block_codes
+from .block_codes import BlockEncode
 from .tile_stats import TileStats
 
 
 class RolledEpilogueSm90(GemmSm90):
     """GemmSm90 whose epilogue loops over its subtiles at run time."""
+
+    def _compute_tile_shape_or_override(self, cta_tile_shape_mnk, atom_layout_mnk, element_type=None,
+                                        epi_tile_override=None):
+        # 8-bit states: a subtile row is one codec block (block_codes.py)
+        if epi_tile_override is None and any(isinstance(op, BlockEncode) for op in type(self)._epi_ops):
+            epi_tile_override = block_codes.epi_tile(cta_tile_shape_mnk[0])
+        return super()._compute_tile_shape_or_override(cta_tile_shape_mnk, atom_layout_mnk, element_type,
+                                                       epi_tile_override)
 
     @cute.jit
     def epilogue(self, params, epi_smem_tensors, epi_pipeline, epi_store_pipeline, epi_read_state,
@@ -43,8 +54,9 @@ class RolledEpilogueSm90(GemmSm90):
         stores = ((DStore(), None, tiled_copy_r2s, tRS_sD, copy_D, None),) + self.epi_setup_aux_out(
             params, epi_smem_tensors, tiled_copy_r2s, tiled_copy_t2r, tile_coord_mnkl, varlen_manager, tidx)
         for store in stores:
-            if const_expr(store[1] is not None or store[5] is not None):
-                raise NotImplementedError("the rolled epilogue stores neither quantized nor predicated outputs")
+            if const_expr(store[5] is not None or not (store[1] is None or isinstance(store[1], BlockEncode))):
+                raise NotImplementedError("the rolled epilogue stores no predicated outputs, and quantizes only "
+                                          "with block_codes.BlockEncode")
 
         grid = cute.zipped_divide(cute.make_layout(self.cta_tile_shape_mnk[:2]), epi_tile).shape[1]
         order = cute.make_ordered_layout(grid, order=(0, 1) if const_expr(self.epi_m_major) else (1, 0))
@@ -93,6 +105,9 @@ class RolledEpilogueSm90(GemmSm90):
             outputs = (tRS_rD,) + self.epi_visit_subtile(params, loop_tensors, tRS_rD, tRS_rC)
             self.epi_end_loop(params, epi_tensors, coord, tRS_rD, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
                               tile_coord_mnkl, varlen_manager, tidx)
+            outputs = tuple(outputs[i] if const_expr(stores[i][1] is None)  # 8-bit states: their codes
+                            else stores[i][1].encode(self, loop_tensors, outputs[i], applied)
+                            for i in range(len(stores)))
             converted = [stores[i][0].store_convert(self, outputs[i], loop_tensors.get("sr_seed"), tidx,
                                                     tile_coord_mnkl, earlier, epi_idx)
                          for i in range(len(stores))]  # a comprehension is plain Python: static

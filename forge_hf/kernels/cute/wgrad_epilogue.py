@@ -20,167 +20,40 @@ and state slot i with slot i + 1, as the Triton kernel does. The value handed to
 store has its low 16 bits cleared already, so its own round-to-nearest conversion is exact;
 fp32 values are stored as computed.
 
+8-bit states (absmax8, absmax8_floored, al8: block_codes.py) are decoded in the step and
+encoded a 64-column codec block at a time before the stores, on the rolled epilogue.
+
 The rolled epilogue also skips tiles with a non-finite gradient and sums the squared gradient
 (tile_stats.py: per 128 x 128 CTA tile, where the Triton kernel tests 64 x 64 blocks).
-Not yet: 8-bit states.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import hashlib
 import inspect
 import textwrap
 import types
-from pathlib import Path
 
 import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Uint32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from quack.epilogue import gemm_epilogue
-from quack.epilogue.ops import Scalar
+from quack.epilogue.ops import Scalar, TileStore
 from quack.gemm_config import GemmConfig
 
 from ...core import codecs, rounding, rules
 from ...core.codecs import QuantisedSlot, storage_kind
 from ...core.rules import MAX_SLOTS, NUM_SCALARS, RULES, bind_update, get_rule
-from . import tile_stats
+from . import block_codes, tile_stats
+from .exact import PTX, Exact, as_f32, where
 from .rolled import rolled_epilogue
-
-# ------------------------------------------------------------------ exact fp32 arithmetic
-
-
-def _asm(ptx: str, constraints: str, values, loc, ip, result=None):
-    operands = [v.ir_value(loc=loc, ip=ip) for v in values]
-    return llvm.inline_asm(result or T.f32(), operands, ptx, constraints,
-                           has_side_effects=False, is_align_stack=False)
-
-
-def _binary(op: str):
-    """``op``.f32 of two fp32 values as one PTX instruction (a static method of Ptx)."""
-    @dsl_user_op
-    def apply(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-        return Float32(_asm(f"{op}.f32 $0, $1, $2;", "=f,f,f", (a, b), loc, ip))
-
-    apply.__name__ = op.replace(".", "_")
-    return staticmethod(apply)
-
-
-class Ptx:
-    """The epilogues' PTX instructions, reached only as attributes of ``PTX`` (an instance).
-
-    QuACK keys each epilogue by walking its function's globals and closures. A
-    ``dsl_user_op`` wrapper is a function whose code lives in cutlass (_mlir_helpers/op.py):
-    QuACK fingerprints it by name when cutlass sits under a ``site-packages`` folder, but
-    recurses into its globals, and stops with a TypeError at cutlass's ``_LOC_TRANSFORMS``
-    ContextVar, when cutlass is imported from anywhere else (``pip install --target DIR``).
-    So no function the walk visits names a wrapper as a global: it meets ``PTX``, keyed by
-    ``__quack_semantic_key__`` (the sources the traced math comes from), and stops there.
-    """
-
-    __slots__ = ()
-
-    def __quack_semantic_key__(self):
-        return ("forge_hf.kernels.cute", SOURCE_DIGEST)
-
-    mul_rn = _binary("mul.rn")
-    add_rn = _binary("add.rn")
-    sub_rn = _binary("sub.rn")
-
-    # Division and square root as Triton 3.6 lowers them (div.full, sqrt.approx.ftz): the other
-    # kernels' bits, and far fewer instructions than the IEEE forms
-    div_full = _binary("div.full")
-
-    @staticmethod
-    @dsl_user_op
-    def sqrt_approx(a: Float32, *, loc=None, ip=None) -> Float32:
-        return Float32(_asm("sqrt.approx.ftz.f32 $0, $1;", "=f,f", (a,), loc, ip))
-
-    @staticmethod
-    @dsl_user_op
-    def f32_bits(a: Float32, *, loc=None, ip=None) -> Uint32:
-        return Uint32(_asm("mov.b32 $0, $1;", "=r,f", (a,), loc, ip, result=T.i32()))
-
-    @staticmethod
-    @dsl_user_op
-    def bits_f32(a: Uint32, *, loc=None, ip=None) -> Float32:
-        return Float32(_asm("mov.b32 $0, $1;", "=f,r", (a,), loc, ip))
-
-
-PTX = Ptx()
-
-# What the epilogues' traced math is made of beyond their own source: this file (Exact, the
-# PTX strings), the rules and the rounding hash. Any edit to them changes every epilogue's key.
-SOURCE_DIGEST = hashlib.sha256(b"".join(
-    Path(f).read_bytes() for f in (__file__, rounding.__file__, rules.__file__))).hexdigest()
-
-
-def _f32(x):
-    return x.v if isinstance(x, Exact) else Float32(x)
-
-
-class Exact:
-    """An fp32 value whose operators are single PTX instructions, so the rule's Python
-    expressions give the Triton kernel's bits. Python numbers mix in as fp32 constants.
-    Comparisons are ordered (false against NaN), as Triton's on floats."""
-
-    __slots__ = ("v",)
-
-    def __init__(self, v):
-        self.v = Float32(v)
-
-    def __add__(self, o):
-        return Exact(PTX.add_rn(self.v, _f32(o)))
-
-    __radd__ = __add__
-
-    def __mul__(self, o):
-        return Exact(PTX.mul_rn(self.v, _f32(o)))
-
-    __rmul__ = __mul__
-
-    def __sub__(self, o):
-        return Exact(PTX.sub_rn(self.v, _f32(o)))
-
-    def __rsub__(self, o):
-        return Exact(PTX.sub_rn(_f32(o), self.v))
-
-    def __truediv__(self, o):
-        return Exact(PTX.div_full(self.v, _f32(o)))
-
-    def __rtruediv__(self, o):
-        return Exact(PTX.div_full(_f32(o), self.v))
-
-    def __neg__(self):
-        return Exact(-self.v)
-
-    def __gt__(self, o):
-        return self.v > _f32(o)
-
-    def __lt__(self, o):
-        return self.v < _f32(o)
-
-    def __ge__(self, o):
-        return self.v >= _f32(o)
-
-    def __le__(self, o):
-        return self.v <= _f32(o)
-
-
-def _where(cond, a, b):
-    """tl.where on fp32 values: ``a`` where ``cond`` holds, else ``b`` (one select; both sides
-    are computed, as in the Triton kernel)."""
-    return Exact(cutlass.select_(cond, _f32(a), _f32(b)))
-
 
 # The rules' free name ``ops`` (a module: QuACK fingerprints what an epilogue references)
 RULE_OPS = types.ModuleType("forge_hf.kernels.cute.rule_ops")
-RULE_OPS.sqrt = lambda x: Exact(PTX.sqrt_approx(_f32(x)))
-RULE_OPS.where = _where
+RULE_OPS.sqrt = lambda x: Exact(PTX.sqrt_approx(as_f32(x)))
+RULE_OPS.where = where
 RULE_UPDATES = {name: bind_update(rule, RULE_OPS) for name, rule in RULES.items()}
 
 
@@ -259,7 +132,9 @@ class ElementIndex(Scalar):
 
 SCALAR_NAMES = tuple(f"c{i}" for i in range(NUM_SCALARS))
 INT_OPS = {name: Scalar(name, dtype=Int32) for name in ("step", "salt", "row0", "k_cols")}
-KIND_NAMES = {codecs.NONE: "no", codecs.FP32: "fp32", codecs.BF16: "bf16"}
+KIND_NAMES = {codecs.NONE: "no", codecs.FP32: "fp32", codecs.BF16: "bf16", codecs.ABSMAX8: "absmax8",
+              codecs.ABSMAX8_FLOORED: "absmax8f", codecs.AL8: "al8"}
+EIGHT_BIT = block_codes.KINDS
 
 
 def state_operands(rule: str, states: tuple[int, ...]) -> tuple[str | None, ...]:
@@ -271,13 +146,17 @@ def state_operands(rule: str, states: tuple[int, ...]) -> tuple[str | None, ...]
 @functools.cache
 def step_epilogue(rule: str, weight_bf16: bool, states: tuple[int, ...], stochastic: bool, rolled: bool):
     """The fused step of ``rule`` as a QuACK epilogue, built at its first use: a bf16 (else
-    fp32) weight as C and D, ``states`` each slot's storage kind (codecs.NONE, FP32 or BF16),
-    ``stochastic`` rounding of its bf16 stores (else to nearest), ``rolled``: its subtiles as a
-    loop (rolled.py) with the tile statistics and skip (tile_stats.py), else unrolled as
-    QuACK's driver does, with neither. Its operands: c (the weight),
-    the present states, elem, the constants the rule reads, step, salt, row0 and k_cols."""
+    fp32) weight as C and D, ``states`` each slot's storage kind (codecs.NONE, FP32, BF16 or an
+    8-bit kind), ``stochastic`` rounding of its bf16 and al8 stores (else to nearest),
+    ``rolled``: its subtiles as a loop (rolled.py) with the tile statistics and skip
+    (tile_stats.py), else unrolled as QuACK's driver does, with neither. Its operands: c (the
+    weight), the present states (an 8-bit one's codes, and its metadata as ``<slot>_meta`` and
+    ``<slot>_encode``; al8 under stochastic rounding also ``<slot>_word``: block_codes.py),
+    elem, the constants the rule reads, step, salt, row0 and k_cols."""
     if len(states) != MAX_SLOTS:
         raise ValueError(f"states: one storage kind for each of the {MAX_SLOTS} slots, got {states}")
+    if not rolled and any(kind in EIGHT_BIT for kind in states):
+        raise ValueError("8-bit states are on the rolled epilogue only (rolled=True)")
     update = RULE_UPDATES[rule]
     weight = codecs.BF16 if weight_bf16 else codecs.FP32
     slots = state_operands(rule, states)
@@ -286,28 +165,41 @@ def step_epilogue(rule: str, weight_bf16: bool, states: tuple[int, ...], stochas
     def step(acc, c, **operands):
         zero = Exact(0.0)
         consts = [Exact(operands[name]) for name in constants] + [zero] * (NUM_SCALARS - len(constants))
-        values = [zero if name is None else Exact(operands[name]) for name in slots]
+        values = [zero if name is None
+                  else block_codes.decode(kind, operands[name], operands[f"{name}_meta"]) if kind in EIGHT_BIT
+                  else Exact(operands[name]) for name, kind in zip(slots, states)]
         w, *new = update(Exact(c), Exact(acc), *values, *consts)
         h = Uint32(0)
         if stochastic:
             index = Uint32(operands["elem"]) + Uint32(operands["row0"]) * Uint32(operands["k_cols"])
             h = HASH.element_hash(index, Uint32(operands["salt"]), Uint32(operands["step"]))
         stored = {"D": stored_value(w, weight, h, 0, stochastic)}
-        stored.update({f"{name}_new": stored_value(value, kind, h, i + 1, stochastic)
-                       for i, (name, kind, value) in enumerate(zip(slots, states, new)) if name is not None})
+        for i, (name, kind, value) in enumerate(zip(slots, states, new)):
+            if name is not None:  # an 8-bit slot's fp32 value: its BlockEncode makes the codes
+                stored[f"{name}_new"] = (value.v if kind in EIGHT_BIT
+                                         else stored_value(value, kind, h, i + 1, stochastic))
+        stored.update({name: PTX.bits_f32(h) for name in words})  # al8's random bits: the whole hash
         return stored
 
+    eight_bit = [(name, kind) for name, kind in zip(slots, states) if kind in EIGHT_BIT]
+    words = tuple(f"{name}_word" for name, kind in eight_bit if kind == codecs.AL8 and stochastic)
     # QuACK reads the operands' names from the signature
-    names = ("acc", "c", *(name for name in slots if name is not None), "elem", *constants,
-             "step", "salt", "row0", "k_cols")
+    names = ("acc", "c", *(name for name in slots if name is not None), *(f"{name}_meta" for name, _ in eight_bit),
+             "elem", *constants, "step", "salt", "row0", "k_cols")
     step.__signature__ = inspect.Signature(
         [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
     kinds = (KIND_NAMES[kind] for kind in states[:len(RULES[rule].slot_names)])
     step.__name__ = "_".join((rule, KIND_NAMES[weight], *kinds, "sr" if stochastic else "rn"))
     epilogue = rolled_epilogue if rolled else gemm_epilogue
-    outputs = tuple(f"{name}_new" for name in slots if name is not None)
+    outputs = tuple(
+        TileStore(f"{name}_new", quant=block_codes.BlockEncode(
+            f"{name}_encode", f"{name}_new", kind, f"{name}_word" if f"{name}_word" in words else None))
+        if kind in EIGHT_BIT else f"{name}_new"
+        for name, kind in zip(slots, states) if name is not None)
+    metas = {f"{name}_meta": block_codes.MetaLoad(f"{name}_meta") for name, _ in eight_bit}
     extra_ops = (tile_stats.TileStats("stats"),) if rolled else ()
-    return epilogue(outputs=outputs, ops={"elem": ElementIndex("elem"), **INT_OPS}, extra_ops=extra_ops)(step)
+    return epilogue(outputs=outputs, ops={"elem": ElementIndex("elem"), **INT_OPS, **metas}, extra_ops=extra_ops,
+                    outs={name: block_codes.WordSink(name) for name in words})(step)
 
 
 @gemm_epilogue()
@@ -355,14 +247,33 @@ def _slot_kinds(rule: str, slots, weight) -> tuple[int, ...]:
         if i >= len(names):
             raise ValueError(f"{rule} keeps {len(names)} state slot(s) {names}: slot {i} must be None")
         if isinstance(slot, QuantisedSlot):
-            raise ValueError(f"{slot.codec.name} (8-bit) states are not on the QuACK engine yet: the Triton "
-                             "fused kernel (kernels/triton/fused_update.py, dispatch.launch_fused_update) "
-                             "has them")
+            _check_8bit(i, names[i], slot, weight)
+            continue
         if slot.dtype not in FLOATS or not slot.is_contiguous() or slot.shape != weight.shape:
             raise ValueError(f"state slot {i} ({names[i]}): the QuACK epilogue takes contiguous bf16 or fp32 "
                              f"states of the weight's shape {tuple(weight.shape)}, got {slot.dtype} "
                              f"{tuple(slot.shape)}{'' if slot.is_contiguous() else ' non-contiguous'}")
     return tuple(storage_kind(slot) for slot in (*slots, *[None] * (MAX_SLOTS - len(slots))))
+
+
+def _check_8bit(i: int, name: str, slot: QuantisedSlot, weight):
+    """An 8-bit slot the engine takes: its codes laid out as the weight, rows of 16 bytes for
+    TMA, its metadata as QuantisedSlot.empty_like allocates it (block column by block column)."""
+    if slot.codec.kind not in EIGHT_BIT:
+        raise ValueError(f"state slot {i} ({name}): {slot.codec.name} codes of forge_hf 0.1.0 are read by the "
+                         "Triton kernels only; a step there stores them in today's format")
+    N, K = weight.shape
+    codes, meta = slot.codes, slot.meta
+    if codes.shape != weight.shape or not codes.is_contiguous() or codes.dtype != slot.codec.code_dtype:
+        raise ValueError(f"state slot {i} ({name}): contiguous {slot.codec.code_dtype} codes of the weight's shape "
+                         f"{tuple(weight.shape)}, got {codes.dtype} {tuple(codes.shape)}"
+                         f"{'' if codes.is_contiguous() else ' non-contiguous'}")
+    if K % 16:
+        raise ValueError(f"state slot {i} ({name}): TMA needs 16-byte rows of codes, in features ({K}) a multiple "
+                         "of 16")
+    if (tuple(meta.shape), meta.stride()) != codecs.meta_layout(N, K, slot.codec) or meta.dtype != torch.float32:
+        raise ValueError(f"state slot {i} ({name}): metadata {meta.dtype} {tuple(meta.shape)} strides "
+                         f"{meta.stride()}, not as QuantisedSlot.empty_like allocates it")
 
 
 def _check_weight(weight):
@@ -396,13 +307,21 @@ def layer_call(weight, slots, rule="adamw", stochastic=True, cfg=None, rolled=Tr
     _check_weight(weight)
     states = _slot_kinds(rule, list(slots), weight)
     weight_bf16 = weight.dtype == torch.bfloat16
-    # no bf16 store: stochastic and nearest rounding are one kernel
-    stochastic = bool(stochastic) and (weight_bf16 or codecs.BF16 in states)
+    # no bf16 or al8 store: stochastic and nearest rounding are one kernel
+    stochastic = bool(stochastic) and (weight_bf16 or codecs.BF16 in states or codecs.AL8 in states)
     epilogue = step_epilogue(rule, weight_bf16, states, stochastic, rolled)
     present = {name: slot for name, slot in zip(state_operands(rule, states), slots) if name is not None}
+    # 8-bit codes as bytes (QuACK moves int8 as uint8; block_codes.py reads the sign)
+    stored = {name: slot.codes.view(torch.uint8) if isinstance(slot, QuantisedSlot) else slot
+              for name, slot in present.items()}
     K = weight.shape[1]
-    keywords = dict(out={"D": weight, **{f"{name}_new": slot for name, slot in present.items()}},
-                    config=cfg or DEFAULT_CONFIG, **present, elem=K, k_cols=K)
+    keywords = dict(out={"D": weight, **{f"{name}_new": tensor for name, tensor in stored.items()}},
+                    config=cfg or DEFAULT_CONFIG, **stored, elem=K, k_cols=K)
+    for name, slot in present.items():
+        if isinstance(slot, QuantisedSlot):  # block_codes.py's ops: the metadata, read and written
+            keywords.update({f"{name}_meta": slot.meta, f"{name}_encode": slot.meta})
+            if slot.codec.kind == codecs.AL8 and stochastic:
+                keywords[f"{name}_word"] = 0.0
     return epilogue, keywords
 
 

@@ -1,8 +1,8 @@
 """When and how QuACK's Hopper GEMM engine (kernels/cute/) runs a layer's fused step: a bf16
-row-major weight with fp32, bf16 or absent states, both sides multiples of 8, from MIN_TOKENS
-bf16 tokens a step, on a Hopper GPU where forge-hf[hopper] is installed. Under ``auto``
-dispatch times it beside the Gluon kernel per layer shape and token bucket and keeps the
-faster; ``FORGE_HF_KERNEL=quack`` takes it wherever it applies.
+row-major weight with fp32, bf16, int8, al8 or absent states, both sides multiples of 8 (in
+features of 16 with 8-bit states), from MIN_TOKENS bf16 tokens a step, on a Hopper GPU where
+forge-hf[hopper] is installed. Under ``auto`` dispatch times it beside the Gluon kernel per
+layer shape and token bucket and keeps the faster; ``FORGE_HF_KERNEL=quack`` takes it wherever it applies.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .gluon_launch import (
 # Below this many tokens a step the GEMM's mainloop is too short to hide the update under:
 # the persistent Gluon kernel is the faster there (kernel_microbench, cute_probe)
 MIN_TOKENS = 1024
-KINDS = (codecs.NONE, codecs.FP32, codecs.BF16)
+KINDS = (codecs.NONE, codecs.FP32, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)
 
 
 def quack_requested() -> bool:
@@ -52,8 +52,10 @@ def quack_layer_unsupported(weight, slots) -> str | None:
 def quack_layout_unsupported(weight, slots) -> str | None:
     """Why a weight and its states do not suit the engine's TMA loads and stores, rows of
     16 bytes (None: they do)."""
+    if any(isinstance(slot, codecs.QuantisedSlot) for slot in slots) and weight.shape[-1] % 16:
+        return f"in features ({weight.shape[-1]}) are not a multiple of 16: rows of 8-bit codes must be 16 bytes"
     return weight_layout_unsupported(weight, slots, 8, KINDS,
-                                     "8-bit states are not on the QuACK engine (the wide Gluon kernel takes them)")
+                                     "forge_hf 0.1.0's al8 codes are read by the Triton kernels only")
 
 
 def quack_tokens_unsupported(x, dy) -> str | None:
