@@ -38,7 +38,7 @@ from results_table import append_rows  # noqa: E402
 
 # (tile_m, tile_n, cluster_m, cluster_n, pingpong): QuACK's sm90 default first
 CONFIGS = {"128x192pp": (128, 192, 2, 1, True), "128x128pp": (128, 128, 2, 1, True),
-           "128x256co": (128, 256, 2, 1, False)}
+           "128x64pp": (128, 64, 2, 1, True), "128x256co": (128, 256, 2, 1, False)}
 SALT = 1234
 LOG: list[str] = []
 

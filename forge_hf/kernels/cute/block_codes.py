@@ -45,6 +45,12 @@ KINDS = (codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)
 SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # in every op's key
 
 
+def pick(cond, a, b) -> Int32:
+    """An int32 select typed as Int32: cutlass.select_ returns an untyped value, whose
+    comparisons the DSL emits unsigned."""
+    return Int32(cutlass.select_(cond, a, b))
+
+
 def epi_tile(tile_m: int) -> tuple[int, int]:
     """The epilogue subtile that makes each subtile row one codec block."""
     return (math.gcd(64, tile_m), BLOCK)
@@ -56,14 +62,15 @@ def epi_tile(tile_m: int) -> tuple[int, int]:
 def decode(kind: int, code, meta) -> Exact:
     """The fp32 value of a code (its tile operand's value: the byte, as a float) with its block's
     metadata (MetaLoad's value), as state_tiles.decode_state reads it."""
+    byte = Int32(code) & Int32(0xFF)  # the DSL widens a uint8 tile as signed: keep the stored byte
     if kind == codecs.AL8:
-        codes = Uint32(Int32(code))
+        codes = Uint32(byte)
         word = PTX.f32_bits(meta)
         shift = word & Uint32(31)
         value = PTX.bits_f32(codes * (Uint32(1) << shift) + (word - shift))  # wraps as Triton's int32
         return where(codes != Uint32(codecs.AL8_ZERO), value, 0.0)
-    signed = cutlass.select_(code > Float32(127.0), code - Float32(256.0), code)  # the byte as int8
-    return Exact(signed) * meta
+    signed = pick(byte > Int32(127), byte - Int32(256), byte)  # absmax codes are int8
+    return Exact(Float32(signed)) * meta
 
 
 # ------------------------------------------------------------------ per-tile geometry
@@ -243,8 +250,8 @@ class BlockEncode(_SlotOp):
         amax = cute.make_rmem_tensor(state.row_layout, Int32)
         cute.filter_zeros(amax).fill(0)
         for i in cutlass.range_constexpr(cute.size(values)):
-            magnitude = cutlass.select_(valid[i], Int32(PTX.f32_bits(values[i])) & Int32(0x7FFFFFFF), Int32(0))
-            amax[i] = cutlass.select_(magnitude > amax[i], magnitude, amax[i])
+            magnitude = pick(valid[i], Int32(PTX.f32_bits(values[i])) & Int32(0x7FFFFFFF), Int32(0))
+            amax[i] = pick(magnitude > amax[i], magnitude, amax[i])
         inverse = cute.make_rmem_tensor(state.row_layout, Float32)
         rows_amax, rows_inverse, rows_scale = (cute.filter_zeros(t) for t in (amax, inverse, meta))
         for j in cutlass.range_constexpr(cute.size(rows_amax)):
@@ -270,11 +277,11 @@ class BlockEncode(_SlotOp):
         cute.filter_zeros(hi).fill(INT_MIN)
         cute.filter_zeros(low).fill(2**31 - 1)
         for i in cutlass.range_constexpr(cute.size(values)):
-            b = cutlass.select_(valid[i], Int32(PTX.f32_bits(values[i])), Int32(0))
+            b = pick(valid[i], Int32(PTX.f32_bits(values[i])), Int32(0))
             bits[i] = b
-            hi[i] = cutlass.select_(b > hi[i], b, hi[i])
+            hi[i] = pick(b > hi[i], b, hi[i])
             flipped = (b - Int32(1)) ^ SIGN
-            low[i] = cutlass.select_(flipped < low[i], flipped, low[i])
+            low[i] = pick(flipped < low[i], flipped, low[i])
         base = cute.make_rmem_tensor(state.row_layout, Int32)
         shift = cute.make_rmem_tensor(state.row_layout, Int32)
         rows_hi, rows_low, rows_base, rows_shift, rows_meta = (
@@ -282,11 +289,11 @@ class BlockEncode(_SlotOp):
         for j in cutlass.range_constexpr(cute.size(rows_hi)):
             top = Int32(warp_reduce(rows_hi[j], max, threads_in_group=state.lanes))
             least = (Int32(warp_reduce(rows_low[j], min, threads_in_group=state.lanes)) ^ SIGN) + Int32(1)
-            lo = Int32(cutlass.select_(top > Int32(0), least, Int32(0)))
+            lo = pick(top > Int32(0), least, Int32(0))
             span = Int32(PTX.f32_bits(Float32(top - lo)))
             s = ((span + Int32(0x3FFFF)) >> Int32(23)) - Int32(134)
-            s = cutlass.select_(s < Int32(codecs.MIN_SHIFT), Int32(codecs.MIN_SHIFT), s)
-            s = cutlass.select_(s > Int32(codecs.MAX_SHIFT), Int32(codecs.MAX_SHIFT), s)
+            s = pick(s < Int32(codecs.MIN_SHIFT), Int32(codecs.MIN_SHIFT), s)
+            s = pick(s > Int32(codecs.MAX_SHIFT), Int32(codecs.MAX_SHIFT), s)
             rows_shift[j] = s
             rows_base[j] = (lo >> s) << s
             rows_meta[j] = PTX.bits_f32(Uint32(rows_base[j] | s))
@@ -298,6 +305,5 @@ class BlockEncode(_SlotOp):
             up = Int32(word >> Uint32(Int32(32) - shift[i]))
             code = (bits[i] - base[i] + up) >> shift[i]
             # a negative code (zero below a positive base) is above 255 as unsigned: code 255, zero
-            code = Int32(cutlass.select_((code < Int32(0)) | (code > Int32(codecs.AL8_ZERO)),
-                                         Int32(codecs.AL8_ZERO), code))
+            code = pick((code < Int32(0)) | (code > Int32(codecs.AL8_ZERO)), Int32(codecs.AL8_ZERO), code)
             codes[i] = Float32(code)
