@@ -149,7 +149,9 @@ def test_8bit_states_of_a_skipped_tile_keep_their_codes_and_metadata(kernels):
         assert torch.equal(raw(a), raw(b))
     band = torch.zeros(N, dtype=torch.bool, device="cuda")
     band[256:384] = True
+    # the finite tiles' weight moves (a moment's codes may not: the same gradient twice scales
+    # an absmax block as a whole, which only its metadata records)
+    assert not torch.equal(raw(cute_second[0][~band]), raw(cute_first[0][~band]))
     for before, after, triton in zip(cute_first, cute_second, triton_second):
-        assert not torch.equal(raw(after[~band]), raw(before[~band])), "the finite tiles must move"
         assert torch.equal(raw(after[band]), raw(before[band]))
         assert torch.equal(raw(after[~band]), raw(triton[~band]))
