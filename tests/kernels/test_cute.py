@@ -140,3 +140,25 @@ def test_an_8bit_layer_hands_its_codes_as_bytes_and_its_metadata_to_the_codec_op
     assert nearest[0].fn.__name__ == "adamw_bf16_absmax8_al8_rn" and "exp_avg_sq_word" not in nearest[2]
     with pytest.raises(ValueError, match="rolled epilogue only"):
         W.step_call(x, dy, w, [m, v, None], args, rolled=False)
+
+
+@with_packages
+def test_the_rolled_kernel_keeps_the_main_loop_two_stages(monkeypatch):
+    """Where QuACK's split of shared memory would leave the GEMM one stage (three fp32 states'
+    epilogue staging), the rolled kernel stages fewer epilogue loads; where even one load stage
+    leaves too little, it says so rather than build a kernel that never finishes."""
+    cute.load()
+    from quack.gemm_sm90 import GemmSm90
+
+    from forge_hf.kernels.cute.rolled import MIN_AB_STAGES, RolledEpilogueSm90
+
+    def split(free):  # a stand-in for QuACK's split: each epilogue load stage costs a GEMM stage
+        return classmethod(lambda cls, *a, **k: (free - cls.epi_c_stage_base, 2, cls.epi_c_stage_base))
+
+    monkeypatch.setattr(GemmSm90, "_compute_stages", split(5))
+    assert RolledEpilogueSm90._compute_stages() == (MIN_AB_STAGES, 2, 3)  # 4 load stages left 1
+    monkeypatch.setattr(GemmSm90, "_compute_stages", split(9))
+    assert RolledEpilogueSm90._compute_stages() == (5, 2, 4)  # enough: QuACK's split as it is
+    monkeypatch.setattr(GemmSm90, "_compute_stages", split(2))
+    with pytest.raises(ValueError, match="leaves the GEMM 1 stage"):
+        RolledEpilogueSm90._compute_stages()

@@ -31,9 +31,28 @@ from . import block_codes
 from .block_codes import BlockEncode
 from .tile_stats import TileStats
 
+# Fewer main-loop stages than this and the wgmma main loop cannot overlap a load with an MMA:
+# with one (three fp32 states' epilogue staging, at QuACK's split) the kernel never finishes
+MIN_AB_STAGES = 2
+
 
 class RolledEpilogueSm90(GemmSm90):
     """GemmSm90 whose epilogue loops over its subtiles at run time."""
+
+    @classmethod
+    def _compute_stages(cls, *args, **kwargs):
+        # QuACK's split of shared memory, with fewer epilogue load stages where the epilogue's
+        # staging would leave the main loop fewer than MIN_AB_STAGES
+        stages = super()._compute_stages(*args, **kwargs)
+        base = cls.epi_c_stage_base
+        while stages[0] < MIN_AB_STAGES and base > 1:
+            base -= 1
+            fewer = type(cls.__name__, (cls,), {"epi_c_stage_base": base})
+            stages = super(RolledEpilogueSm90, fewer)._compute_stages(*args, **kwargs)
+        if stages[0] < MIN_AB_STAGES:
+            raise ValueError(f"the epilogue's shared memory leaves the GEMM {stages[0]} stage(s) of "
+                             f"{MIN_AB_STAGES}: smaller tiles (a config with tile_n 64) leave it more")
+        return stages
 
     def _compute_tile_shape_or_override(self, cta_tile_shape_mnk, atom_layout_mnk, element_type=None,
                                         epi_tile_override=None):

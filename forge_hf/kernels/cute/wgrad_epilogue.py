@@ -8,11 +8,11 @@ M-major), B = X as (tokens, in) (N-major), D = the weight (out, in), row-major. 
 loads the weight as the GEMM's C operand and the rule's states as full-tile epilogue loads;
 the weight is stored as D and the states as tile outputs over the same memory (each tile is
 read before it is written, by the one CTA that owns it). Every rule of core/rules.py, with a
-bf16 or fp32 weight and bf16 or fp32 states in any of the slots the rule keeps; each
+bf16 or fp32 weight and fp32, bf16 or 8-bit states in any of the slots the rule keeps; each
 combination's epilogue is built at its first use (``step_epilogue``).
 
-Same arithmetic as the other kernels: the rule's code object (core/rules.py) runs on values
-whose +, -, * are single PTX ``.rn`` operations (never contracted to FMA, as the Triton
+Same arithmetic as the other kernels: the rule's code object (core/rules.py) runs on exact.py's
+values, whose +, -, * are single PTX ``.rn`` operations (never contracted to FMA, as the Triton
 launches' enable_fp_fusion=False), whose / and sqrt are the instructions Triton emits and
 whose comparisons and ``ops.where`` are Triton's ordered compares and selects; bf16 stores
 round in the integer domain with core/rounding.py's hash, the weight with the hash's slot 0
