@@ -30,7 +30,6 @@ os.environ["QUACK_CACHE_ENABLED"] = "0"
 import torch  # noqa: E402
 
 from cute_probe import CONFIGS, attempt, gpu_ms, layer, say  # noqa: E402
-
 from models import linear_shapes  # noqa: E402
 from results_table import append_rows  # noqa: E402
 

@@ -99,20 +99,14 @@ def assert_same_bits(shape, rule_name, hp, precision, weight_dtype, stochastic, 
 
 
 @pytest.mark.parametrize("stochastic", [True, False], ids=["sr", "rn"])
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "int8", "al8"])
 @pytest.mark.parametrize("rule_name,hp,steps_before", RULES, ids=[r[0] for r in RULES])
 def test_every_rule_and_state_precision_gives_the_triton_kernels_bits(rule_name, hp, steps_before, precision,
                                                                       stochastic):
-    assert_same_bits(RAGGED, rule_name, hp, precision, BF16, stochastic, steps_before)
-
-
-@pytest.mark.parametrize("stochastic", [True, False], ids=["sr", "rn"])
-@pytest.mark.parametrize("precision", ["int8", "al8"])
-@pytest.mark.parametrize("rule_name,hp,steps_before", RULES, ids=[r[0] for r in RULES])
-def test_every_rule_with_8bit_states_gives_the_triton_kernels_bits(rule_name, hp, steps_before, precision,
-                                                                  stochastic):
-    """Codes and block metadata too: absmax8 and al8 on the signed and never-negative slots."""
-    assert_same_bits(RAGGED_8BIT, rule_name, hp, precision, BF16, stochastic, steps_before)
+    """8-bit states' codes and block metadata too: absmax8 and al8 on the signed and
+    never-negative slots."""
+    shape = RAGGED_8BIT if precision in ("int8", "al8") else RAGGED
+    assert_same_bits(shape, rule_name, hp, precision, BF16, stochastic, steps_before)
 
 
 @pytest.mark.parametrize("precision", ["int8", "al8"])

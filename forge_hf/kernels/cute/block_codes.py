@@ -30,12 +30,12 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
-from cutlass.cute.runtime import make_ptr
-from quack.epilogue.ops import EpiOp, _lane_warp_info_n
+from quack.epilogue.ops import _lane_warp_info_n
 from quack.reduce import warp_reduce
 
 from ...core import codecs
 from .exact import PTX, Exact, where
+from .host_pointer import HostPointerOp
 
 BLOCK = codecs.BLOCK
 ROUNDER = codecs.ROUNDER
@@ -88,26 +88,8 @@ class Geometry(NamedTuple):
     meta: object  # the slot's metadata, a flat fp32 tensor in global memory
 
 
-class _SlotOp(EpiOp):
-    """An op handed the slot's metadata tensor (its host value) as a device pointer."""
-
-    def host_arg_key(self, value):
-        return None if value is None else ("pointer",)
-
-    def host_fake_arg(self, key, fctx):
-        return make_ptr(Float32, 0, cute.AddressSpace.gmem, assumed_align=4)
-
-    def host_call_arg(self, value, key):
-        return value.data_ptr()
-
-    def arg_spec_type(self, const=False):
-        return Float32 | cute.Tensor | None
-
-    def param_fields(self):
-        return [(self.name, object, None)]
-
-    def to_params(self, gemm, args):
-        return {self.name: getattr(args, self.name)}
+class _SlotOp(HostPointerOp):
+    """An op handed the slot's metadata tensor (its host value): the tile's geometry."""
 
     @cute.jit
     def begin(self, gemm, param, smem_tensor, ctx):
@@ -163,32 +145,14 @@ class MetaLoad(_SlotOp):
         return meta
 
 
-class WordSink(EpiOp):
+class WordSink(HostPointerOp):
     """A sink: al8's random bits (the element hash as an fp32 pattern) of each element, kept
-    for BlockEncode in the same subtile."""
+    for BlockEncode in the same subtile. Its host value is 0 (no pointer: nothing is stored)."""
 
     fn_port = "sink"
 
     def config_key(self):
         return (SOURCE_DIGEST,)
-
-    def host_arg_key(self, value):
-        return None if value is None else ("word",)
-
-    def host_fake_arg(self, key, fctx):
-        return Float32(0.0)
-
-    def host_call_arg(self, value, key):
-        return Float32(0.0)
-
-    def arg_spec_type(self, const=False):
-        return Float32 | None
-
-    def param_fields(self):
-        return [(self.name, object, None)]
-
-    def to_params(self, gemm, args):
-        return {self.name: getattr(args, self.name)}
 
     @cute.jit
     def begin(self, gemm, param, smem_tensor, ctx):
@@ -207,8 +171,8 @@ class WordSink(EpiOp):
 class BlockEncode(_SlotOp):
     """The quantize codec of an 8-bit slot's tile output ``output``: ``encode`` turns a
     subtile's new fp32 values into codes (their bytes as fp32 integers, converted exactly by the
-    uint8 store) and
-    stores the blocks' metadata. ``word``: the WordSink's name (al8, stochastic), else None."""
+    uint8 store) and stores the blocks' metadata. ``word``: the WordSink's name (al8,
+    stochastic), else None."""
 
     def __init__(self, name, output: str, kind: int, word: str | None = None):
         super().__init__(name)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, const_expr
-from cutlass.cute.runtime import make_ptr
-from quack.epilogue.ops import EpiOp, EpiSmemBytes
+from quack.epilogue.ops import EpiSmemBytes
+
+from .host_pointer import HostPointerOp
 
 # The host value of the op when no statistics are asked for: tiles are still skipped
 OFF = 0.0
@@ -45,7 +45,7 @@ def pairwise_sum(values: list):
     return values[0]
 
 
-class TileStats(EpiOp):
+class TileStats(HostPointerOp):
     """An extra op the rolled driver consumes (the epilogue's function never sees it): the
     host passes ``stats`` (a CUDA fp32 tensor of 2: squared sum, skipped tiles), or ``OFF`` to
     skip non-finite tiles without recording. The driver calls ``stage`` before its barrier and
@@ -53,30 +53,6 @@ class TileStats(EpiOp):
 
     def config_key(self):
         return (SOURCE_DIGEST,)  # the kernel's code is this file's: part of every key
-
-    # --- host: a device pointer, or an ignored immediate (compiled without the atomics)
-
-    def host_arg_key(self, value):
-        if value is None:
-            return None
-        return ("pointer",) if isinstance(value, torch.Tensor) else ("off",)
-
-    def host_fake_arg(self, key, fctx):
-        if key[0] == "pointer":
-            return make_ptr(Float32, 0, cute.AddressSpace.gmem, assumed_align=4)
-        return Float32(0.0)
-
-    def host_call_arg(self, value, key):
-        return value.data_ptr() if key[0] == "pointer" else Float32(0.0)
-
-    def arg_spec_type(self, const=False):
-        return Float32 | cute.Tensor | None
-
-    def param_fields(self):
-        return [(self.name, object, None)]
-
-    def to_params(self, gemm, args):
-        return {self.name: getattr(args, self.name)}
 
     # --- shared memory: one fp32 a consumer warp, for the exchange of the warps' sums
 
