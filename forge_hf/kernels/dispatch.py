@@ -134,7 +134,7 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
 def _bind_quack(weight, slots, rule_name: str, stochastic: bool, fallback: Callable) -> Callable | None:
     """The fused step on QuACK's engine (launch/quack_launch.py), ``fallback`` for tokens it
     does not take; None where the engine cannot step this layer (not installed, not a Hopper
-    GPU, 8-bit states, FORGE_HF_KERNEL keeping it off)."""
+    GPU, a layout its TMA does not take, FORGE_HF_KERNEL keeping it off)."""
     if quack_layer_unsupported(weight, slots) is not None:
         return None
     engine = QuackLaunch(weight, slots, rule_name, stochastic)

@@ -46,9 +46,19 @@ SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # in ev
 
 
 def pick(cond, a, b) -> Int32:
-    """An int32 select typed as Int32: cutlass.select_ returns an untyped value, whose
-    comparisons the DSL emits unsigned."""
+    """An int32 select typed as Int32: cutlass.select_ returns a signless value, which
+    Float32() refuses to convert ("signless to float conversion is not implemented")."""
     return Int32(cutlass.select_(cond, a, b))
+
+
+@cute.jit
+def tile_coordinates(ctx):
+    """(row, column) in the CTA tile of each accumulator element a thread holds, by subtile:
+    index it ``[None, None, None, epi_coord]`` for a subtile's, congruent with its fragment."""
+    coords = ctx.partition_for_epilogue_fn(cute.make_identity_tensor((ctx.tile_M, ctx.tile_N)))
+    if const_expr(ctx.tiled_copy_t2r is not None):
+        coords = ctx.tiled_copy_r2s.retile(coords)
+    return cute.group_modes(coords, 3, cute.rank(coords))
 
 
 def epi_tile(tile_m: int) -> tuple[int, int]:
@@ -93,8 +103,7 @@ class _SlotOp(HostPointerOp):
 
     @cute.jit
     def begin(self, gemm, param, smem_tensor, ctx):
-        coords = ctx.partition_for_epilogue_fn(cute.make_identity_tensor((ctx.tile_M, ctx.tile_N)))
-        coords = cute.group_modes(coords, 3, cute.rank(coords))
+        coords = tile_coordinates(ctx)
         rows = ctx.partition_for_epilogue_fn(
             cute.make_rmem_tensor(cute.make_layout((ctx.tile_M, ctx.tile_N), stride=(1, 0)), Float32))
         rows = cute.group_modes(rows, 3, cute.rank(rows))

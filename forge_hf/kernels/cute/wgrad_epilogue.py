@@ -38,7 +38,7 @@ import types
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, Uint32
 from quack.epilogue import gemm_epilogue
 from quack.epilogue.ops import Scalar, TileStore
 from quack.gemm_config import GemmConfig
@@ -110,10 +110,7 @@ class ElementIndex(Scalar):
     @cute.jit
     def begin(self, gemm, param, smem_tensor, ctx):
         k_cols = Int32(param)
-        coords = ctx.partition_for_epilogue_fn(cute.make_identity_tensor((ctx.tile_M, ctx.tile_N)))
-        if const_expr(ctx.tiled_copy_t2r is not None):
-            coords = ctx.tiled_copy_r2s.retile(coords)
-        coords = cute.group_modes(coords, 3, cute.rank(coords))
+        coords = block_codes.tile_coordinates(ctx)
         first = ctx.tile_coord_mnkl[0] * ctx.tile_M * k_cols + ctx.tile_coord_mnkl[1] * ctx.tile_N
         return coords, k_cols, first
 
