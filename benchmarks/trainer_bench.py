@@ -5,11 +5,11 @@ Arms (any subset, in the order given):
   adamw_fused          Trainer(optim="adamw_torch_fused")
   adamw_fused_compile  the same with torch_compile=True
   forge_eager          ForgeTrainer(optim="forge_adamw"), cuda_graph=false
-  forge                ForgeTrainer, default options (cuda_graph=auto)
+  forge                ForgeTrainer(optim="forge_adamw") with its default options
   forge_compile        ForgeTrainer with torch_compile=True (cuda_graph=auto)
   sft_adamw_fused      trl.SFTTrainer(optim="adamw_torch_fused") on cells of varying lengths, TRL's collator
   sft_forge            trl.SFTTrainer with ForgeTrainerMixin, default options
-  ..._int8             suffix: forge arms with int8 state (bf16 otherwise)
+  ..._int8             suffix: forge arms with int8 state (the default otherwise: bf16 for bf16 weights)
   ..._fsdp2            suffix: the model under accelerate's FSDP2 (fully_shard of each decoder
                        layer) in a world of one process: what the wrapping costs where there
                        is nothing to shard. Trainer's bf16 flag off (accelerate would upcast
@@ -314,7 +314,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
     import forge_hf
 
     base, _, state = arm.partition("_int8")
-    state = "int8" if _ == "_int8" else "bf16"
+    state = "int8" if _ == "_int8" else None  # None: the default, auto (bf16 states for these bf16 weights)
     sft, base = base.startswith("sft_"), base.removeprefix("sft_")
     forge = base.startswith("forge")
     torch.cuda.reset_peak_memory_stats()  # here: an arm that fails reports its own peak, not the last arm's
@@ -328,7 +328,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
             learning_rate=2e-5, lr_scheduler_type="constant", bf16=bf16, logging_steps=10_000,
             save_strategy="no", report_to="none", dataloader_num_workers=0, torch_compile=base.endswith("compile"),
             seed=0, optim="forge_adamw" if forge else "adamw_torch_fused",
-            optim_args=",".join(filter(None, (f"state_precision={state}",
+            optim_args=",".join(filter(None, (state and f"state_precision={state}",
                                               "cuda_graph=false" if base == "forge_eager" else "", forge_options)))
             if forge else None, **fsdp, **(LIGER if liger else {}), **TRAINING_ARGS,
             **(dict(accelerator_config={"non_blocking": True}, dataloader_pin_memory=True) if non_blocking else {}))

@@ -5,12 +5,11 @@ weight gradient never exists. The subpackages are the layers, each importing onl
 below it: core -> kernels -> nn -> optim -> integrations -> train. See README.md.
 
 The public names are imported on first use (PEP 562), so ``import forge_hf`` and the
-``forge-hf`` command line start without torch. ``optim="forge_<rule>"`` is registered with
-transformers by ``import forge_hf`` when transformers is imported already, else by importing
-ForgeTrainer or by ``forge_hf.register_optimizer_names()``."""
+``forge-hf`` command line start without torch. After ``import forge_hf``,
+``optim="forge_<rule>"`` is a valid TrainingArguments (and TRL config) name, whichever of
+forge_hf, transformers and TRL is imported first (integrations/import_hook.py)."""
 
 import importlib
-import sys
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -73,13 +72,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
 
-def _register_if_transformers_loaded() -> None:
-    """``import forge_hf`` after ``import transformers``: register the forge_<rule> optimizer
-    names now. Otherwise importing ForgeTrainer, the CLI or an explicit
-    ``forge_hf.register_optimizer_names()`` does (importing transformers here would cost
-    every ``import forge_hf`` seconds)."""
-    if "transformers" in sys.modules:
-        importlib.import_module(".integrations.training_args", __name__).register_optimizer_names()
-
-
-_register_if_transformers_loaded()
+# the forge_<rule> optimizer names, registered with transformers whenever it loads
+importlib.import_module(".integrations.import_hook", __name__).register_on_import()

@@ -12,12 +12,16 @@ from dataclasses import dataclass, field, fields
 
 from .rules import RULES, Rule, get_rule, make_group
 
-STATE_PRECISIONS = ("fp32", "bf16", "int8", "al8")
+STATE_PRECISIONS = ("auto", "fp32", "bf16", "int8", "al8")
 ROUNDINGS = ("stochastic", "nearest")
 BACKENDS = ("auto", "triton", "reference")
 DATA_PARALLEL_MODES = ("sharded", "replicated")
-CUDA_GRAPH_MODES = ("auto", "true", "false")
+# cuda_graph, lean_loss, recompute_swiglu: auto takes it where it applies, true refuses to
+# train without it, false never; True and False are read as "true" and "false"
+SWITCH_MODES = ("auto", "true", "false")
 ACCUMULATION_MODES = ("auto", "stash", "buffer")
+# state_precision="auto": the weight's own dtype, as torch.optim keeps its states
+AUTO_STATE_PRECISION = {"bfloat16": "bf16", "float32": "fp32"}
 
 # Below 64K weights (four 128x128 tiles) a fused launch cannot fill a GPU and saves under
 # 256 KiB of gradient; a torch optimizer steps such tensors in one batched launch.
@@ -48,8 +52,9 @@ class ForgeConfig:
     optimizer: str = _option("adamw", PATCH, "The element-wise rule: " + ", ".join(RULES) + ".",
                              tuple(RULES), trainer_key=False)
     state_precision: str = _option(
-        "fp32", PATCH, "Optimizer-state storage of the fused layers: fp32, bf16, or 8-bit int8 / al8 (codes "
-        "with per-block scales).", STATE_PRECISIONS)
+        "auto", PATCH, "Optimizer-state storage: auto (each weight's own dtype: bf16 states for bf16 weights, "
+        "fp32 for fp32 weights, as torch.optim keeps them), fp32, bf16, or 8-bit int8 / al8 in the fused layers "
+        "(codes with per-block scales).", STATE_PRECISIONS)
     rounding: str = _option("stochastic", PATCH, "How bf16 weights and states are rounded when stored.",
                             ROUNDINGS)
     backend: str = _option(
@@ -70,12 +75,13 @@ class ForgeConfig:
     data_parallel: str = _option(
         "sharded", TRAINER, "Several processes: sharded (each rank keeps the states of its weight rows) or "
         "replicated.", DATA_PARALLEL_MODES)
-    recompute_swiglu: bool = _option(
-        False, TRAINER, "SwiGLU MLPs keep gate and up only and form their product again in backward "
-        "(forge_hf.recompute_swiglu): less activation memory.")
+    recompute_swiglu: str = _option(
+        "auto", TRAINER, "SwiGLU MLPs keep gate and up only and form their product again in backward "
+        "(forge_hf.recompute_swiglu; bit-identical training, less activation memory): auto (every SwiGLU MLP "
+        "whose down_proj is fused), true (refuse a model without one) or false.", SWITCH_MODES)
     cuda_graph: str = _option(
         "auto", TRAINER, "Capture each training step as a CUDA graph and replay it: auto (where the step can be "
-        "captured), true (refuse to train otherwise) or false.", CUDA_GRAPH_MODES)
+        "captured), true (refuse to train otherwise) or false.", SWITCH_MODES)
     graph_bucket: int = _option(
         64, TRAINER, "With cuda_graph: each batch's sequence length is padded up to a multiple of this many "
         "tokens (the padding masked out of the loss), so that batches of nearby lengths replay one graph; 1 "
@@ -83,9 +89,11 @@ class ForgeConfig:
     max_graphs: int = _option(
         8, TRAINER, "With cuda_graph: graphs kept at once, one per batch shape, all in one memory pool; a "
         "batch of a further shape runs eagerly.")
-    lean_loss: bool = _option(
-        False, TRAINER, "Compute the loss by forge's chunked cross-entropy: the causal-LM loss without an fp32 "
-        "copy of the logits and their gradient; not with Liger's fused linear cross-entropy.")
+    lean_loss: str = _option(
+        "auto", TRAINER, "Compute a causal LM's loss by forge's chunked cross-entropy: the same loss without an "
+        "fp32 copy of the logits and their gradient. auto (a causal LM with no compute_loss_func of yours, no "
+        "Liger fused linear cross-entropy, no label smoothing, no context parallelism), true (refuse to train "
+        "otherwise) or false.", SWITCH_MODES)
     hyperparameters: dict = _option(
         dict, OPTIMIZER, "The rule's own hyperparameters under torch.optim's names (lr, betas, eps, "
         "weight_decay, momentum, ...); unset ones take the rule's defaults.", trainer_key=False)
@@ -111,6 +119,13 @@ class ForgeConfig:
     @property
     def rule(self) -> Rule:
         return RULES[self.optimizer]
+
+    def state_precision_for(self, dtype) -> str:
+        """The precision a tensor of ``dtype`` (a torch.dtype) keeps its states in: the option,
+        or under auto its own dtype's (fp32 for any dtype but bf16)."""
+        if self.state_precision != "auto":
+            return self.state_precision
+        return AUTO_STATE_PRECISION.get(str(dtype).removeprefix("torch."), "fp32")
 
     def group(self) -> dict:
         """A param-group dict of the rule: its defaults overridden by the hyperparameters."""
@@ -178,6 +193,9 @@ def _check(config: ForgeConfig, f: dataclasses.Field) -> None:
             raise OptionError(name, f"unknown optimizer {value!r} for forge: choose one of {sorted(RULES)}"
                                     f"{did_you_mean(value, RULES)}") from None
     elif f.metadata["choices"] is not None:
+        if f.metadata["choices"] == SWITCH_MODES and isinstance(value, bool):
+            value = "true" if value else "false"
+            object.__setattr__(config, name, value)
         if value not in f.metadata["choices"]:
             raise OptionError(name, f"unknown {name}={value!r}: choose one of {list(f.metadata['choices'])}"
                                     f"{did_you_mean(value, f.metadata['choices'])}")

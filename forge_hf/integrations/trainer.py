@@ -30,7 +30,13 @@ from .batch_shapes import PaddingMaskCheck, causal_reason, take_mark, without_ma
 from .captured_loss import captured_loss, loss_owner
 from .checkpoints import FORGE_SHARDED_OPTIMIZER, check_checkpoint, latest_checkpoint
 from .cuda_graph import TrainerGraph, skip_packing_check
-from .lean_loss import check_lean_loss, keep_logits_in_model_dtype, lean_causal_lm_loss
+from .lean_loss import (
+    check_lean_loss,
+    is_causal_lm,
+    keep_logits_in_model_dtype,
+    lean_causal_lm_loss,
+    lean_loss_conflict,
+)
 from .step_order import StepOrder
 from .training_args import PREFIX, config_from_training_args, merged_config, register_optimizer_names, rule_name
 
@@ -156,8 +162,10 @@ class ForgeTrainerMixin:
     finished, logging each unfinished one it skips; a checkpoint with a missing or damaged
     file is refused before anything loads (checkpoints.py's CheckpointError names the file).
 
-    ``optim_args="lean_loss=true"`` computes the training and eval loss by forge's chunked
-    cross-entropy (lean_causal_lm_loss), set as the Trainer's compute_loss_func.
+    ``lean_loss`` (auto: on for a causal LM where nothing conflicts) computes the training and
+    eval loss by forge's chunked cross-entropy (lean_causal_lm_loss), set as the Trainer's
+    compute_loss_func; ``recompute_swiglu`` (auto: every SwiGLU MLP with a fused down_proj)
+    forms the MLPs' products again in backward.
 
     Args:
         *args, **kwargs: the Trainer's (model, args, datasets, ...). ``args.optim`` is
@@ -186,8 +194,8 @@ class ForgeTrainerMixin:
             self.forge_config = config_from_training_args(self.args)
         self.forge_report = None
         check_training_arguments(self.args, self.accelerator)
-        if self.forge_config is not None and self.forge_config.lean_loss:
-            check_lean_loss(self.args, self.compute_loss_func, self.accelerator)
+        self.forge_lean_loss = self._forge_takes_lean_loss()
+        if self.forge_lean_loss:
             # Trainer's own hook, rather than a compute_loss override: Trainer.compute_loss then
             # takes the labels out of the model's inputs (the model builds only the logits),
             # passes num_items_in_batch and scales for average_tokens_across_devices exactly as it
@@ -237,6 +245,16 @@ class ForgeTrainerMixin:
                 f"max_grad_norm={self.forge_max_grad_norm}: build it with ForgeOptimizer(..., accumulate="
                 f"{self.args.gradient_accumulation_steps > 1}, max_grad_norm={self.forge_max_grad_norm})")
 
+    def _forge_takes_lean_loss(self) -> bool:
+        """lean_loss: true (refused where it cannot train), auto (a causal LM, where nothing
+        conflicts) or false."""
+        mode = self.forge_config.lean_loss if self.forge_config is not None else "false"
+        if mode == "true":
+            check_lean_loss(self.args, self.compute_loss_func, self.accelerator)
+            return True
+        return (mode == "auto" and is_causal_lm(self.model)
+                and lean_loss_conflict(self.args, self.compute_loss_func, self.accelerator) is None)
+
     @property
     def forge_optimizer(self) -> ForgeOptimizer | None:
         return unwrap_forge_optimizer(self.optimizer)
@@ -254,8 +272,8 @@ class ForgeTrainerMixin:
                 self.forge_report = patch_model(model, config)
                 if not self.forge_report.fused:
                     raise ValueError(nothing_fused_message(f"{PREFIX}{config.optimizer}", model, self.forge_report))
-                if config.recompute_swiglu:
-                    recompute_swiglu(model)
+                if config.recompute_swiglu != "false":
+                    recompute_swiglu(model, required=config.recompute_swiglu == "true")
             self.optimizer = self._new_forge_optimizer(model)
         if self.forge_fsdp2:
             # accelerate's prepare shards the model after this and puts the sharded parameters in
@@ -464,7 +482,7 @@ class ForgeTrainerMixin:
     def _forge_keep_logits(self) -> None:
         """lean_loss: the logits out of accelerate's fp32 conversion, which its prepare (for
         training or for evaluation) puts on the model before the first forward."""
-        if self.forge_config is not None and self.forge_config.lean_loss:
+        if self.forge_lean_loss:
             keep_logits_in_model_dtype(self.model)
 
     def _get_grad_norm(self, model, grad_norm=None):

@@ -66,16 +66,21 @@ def add_optimizer_names() -> None:
         _add_enum_member(OptimizerNames, value.upper(), value)
 
 
-def register_optimizer_names() -> None:
-    """Make ``TrainingArguments(optim="forge_<rule>")`` valid (also through HfArgumentParser)
-    and a plain Trainer refuse those names; idempotent. ``import forge_hf`` calls it when
-    transformers is imported already, and ForgeTrainer and the CLI do."""
-    from transformers import Trainer
+def refuse_names_in_plain_trainer() -> None:
+    """A plain Trainer given a forge_<rule> name stops when it creates its optimizer; idempotent."""
+    from transformers.trainer import Trainer
 
-    add_optimizer_names()
     current = Trainer.get_optimizer_cls_and_kwargs  # a staticmethod: the plain function
     if not getattr(current, "forge_refusal", False):
         Trainer.get_optimizer_cls_and_kwargs = staticmethod(_refuse_plain_trainer(current))
+
+
+def register_optimizer_names() -> None:
+    """Make ``TrainingArguments(optim="forge_<rule>")`` valid (also through HfArgumentParser)
+    and a plain Trainer refuse those names, now; idempotent. ``import forge_hf`` arranges the
+    same for whenever transformers loads (import_hook.py)."""
+    add_optimizer_names()
+    refuse_names_in_plain_trainer()
 
 
 # ----------------------------------------------------------------- options

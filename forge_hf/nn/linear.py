@@ -157,7 +157,8 @@ class FusedWeightMixin:
         self.forge_rule = config.rule
         # its own one-group holder; a ForgeOptimizer replaces it by the param group holding the weight
         self.forge_group = config.group()
-        self.forge_state = ForgeState(self.forge_rule, config.state_precision, transposed=self.forge_transposed)
+        precision = config.state_precision_for(self.weight.dtype)
+        self.forge_state = ForgeState(self.forge_rule, precision, transposed=self.forge_transposed)
         self.forge_layer_index = int(layer_index)
         self.forge_enabled = True  # False: gradients flow to W.grad for an ordinary optimizer, for good
         self.forge_fallback_reason = None  # why the last step sent the gradient to W.grad (forge_fall_back)

@@ -72,16 +72,17 @@ def _swiglu_forward(self, x):
     return down.forge_apply(SwiGLUDownFunction, gate, up)
 
 
-def recompute_swiglu(model: nn.Module) -> list[str]:
+def recompute_swiglu(model: nn.Module, required: bool = True) -> list[str]:
     """Make every SwiGLU MLP of ``model`` (Llama, Qwen, Mistral, ... with hidden_act silu,
     Liger's SwiGLU MLP too) whose down_proj is fused keep gate and up only. Call it after
-    ``patch_model``. Returns the MLPs' names; ``restore_swiglu`` undoes it."""
+    ``patch_model``. Returns the MLPs' names; ``restore_swiglu`` undoes it. ``required``:
+    a model with no such MLP raises, else returns []."""
     changed = []
     for name, module in model.named_modules():
         if _is_swiglu_mlp(module) and isinstance(module.down_proj, FusedWeightMixin):
             module.forward = types.MethodType(_swiglu_forward, module)
             changed.append(name)
-    if not changed:
+    if not changed and required:
         raise ValueError(
             f"{type(model).__name__} has no SwiGLU MLP with a fused down_proj (modules with gate_proj, "
             "up_proj, down_proj and config.hidden_act 'silu'): call patch_model first, and leave "

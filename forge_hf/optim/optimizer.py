@@ -123,7 +123,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.rule = rule
         self.stop_on_nonfinite = config.stop_on_nonfinite
         self.stochastic = config.rounding == "stochastic"
-        precision = config.state_precision
         seed = config.seed
         by_weight = {m.weight: m for m in layers.values()}
         self._layers: dict[torch.Tensor, nn.Module] = {}  # fused weight -> its layer
@@ -134,7 +133,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 self.state[p] = layer.forge_state
                 self._salt[p] = layer_salt(layer.forge_config.seed, layer.forge_layer_index)
             else:
-                self.state[p] = ForgeState(rule, precision)
+                self.state[p] = ForgeState(rule, config.state_precision_for(p.dtype))
                 self._salt[p] = layer_salt(seed, -1 - i)  # apart from the fused layers' streams
         # FSDP2 parameters (DTensors sharded by rows): stepped through their local shards
         self._shards = {p: shards for _, p in named if (shards := param_shards(p)) is not None}

@@ -81,6 +81,8 @@ class FusedModule:
     params: int
     gradient_bytes: int  # the weight gradient that is never allocated
     layer_index: int  # its stochastic-rounding stream
+    state_precision: str  # what its states are stored in (state_precision="auto" resolved)
+    weight_dtype: str  # "bfloat16" or "float32"
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,18 @@ class PatchReport:
         return (f"forge patch: {len(self.fused)} modules fused ({self.fused_params:,} parameters, "
                 f"{_size(self.gradient_bytes_saved)} of gradients never allocated){fell_back}, "
                 f"{len(self.skipped)} skipped; optimizer={self.config.optimizer}, "
-                f"state_precision={self.config.state_precision}, rounding={self.config.rounding}")
+                f"state_precision={self.state_precision_summary()}, rounding={self.config.rounding}")
+
+    def state_precision_summary(self) -> str:
+        """The fused layers' state precision, and under auto why: 'bf16 (auto: bf16 weights)'."""
+        option = self.config.state_precision
+        if option != "auto":
+            return option
+        picked = sorted({(m.state_precision, m.weight_dtype) for m in self.fused})
+        if not picked:
+            return "auto"
+        reasons = ", ".join(f"{precision} for {dtype} weights" for precision, dtype in picked)
+        return f"{picked[0][0]} (auto: {picked[0][1]} weights)" if len(picked) == 1 else f"auto: {reasons}"
 
     def __str__(self) -> str:
         parts = [self.summary()]  # brings fused and fell_back up to date
@@ -393,9 +406,9 @@ def patch_model(model: nn.Module, config: ForgeConfig | None = None, **options) 
                  embeddings={id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)})
     decisions = [(n, m, _skip_reason(n, m, **facts)) for n, m in linears]
 
-    wanted = (config.optimizer, config.state_precision, config.rounding)
     for name, module, skip in decisions:
         if isinstance(module, FusedWeightMixin) and skip is None:
+            wanted = (config.optimizer, config.state_precision_for(module.weight.dtype), config.rounding)
             have = (module.forge_rule.name, module.forge_state.precision, module.forge_config.rounding)
             if have != wanted:
                 raise ValueError(
@@ -426,7 +439,8 @@ def patch_model(model: nn.Module, config: ForgeConfig | None = None, **options) 
             _set_child(model, name, module)
         w = module.weight
         report.fused.append(FusedModule(name, _kind(module), _out_in(module), w.numel(),
-                                        w.numel() * w.element_size(), module.forge_layer_index))
+                                        w.numel() * w.element_size(), module.forge_layer_index,
+                                        module.forge_state.precision, str(w.dtype).removeprefix("torch.")))
     report.skipped.extend(_expert_tensors(model))
 
     if not report.fused:

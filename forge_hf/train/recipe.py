@@ -352,7 +352,7 @@ def _check_config_fits(config: ForgeConfig, forge, t: TrainingArguments, fail) -
     if missing:
         fail(f"{key('backend')}='triton' needs Triton and a CUDA GPU, but {missing}: use auto (Triton "
              "where it can run, else the reference backend) or reference")
-    if config.lean_loss:
+    if config.lean_loss == "true":
         try:
             check_lean_loss(t, option=f"{key('lean_loss')}=true")
         except ValueError as e:

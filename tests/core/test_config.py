@@ -17,12 +17,26 @@ from tests.helpers import tiny_llama
 def test_the_defaults_and_the_option_sets():
     config = ForgeConfig()
     assert (config.optimizer, config.state_precision, config.rounding, config.backend) == \
-        ("adamw", "fp32", "stochastic", "auto")
+        ("adamw", "auto", "stochastic", "auto")
+    assert (config.lean_loss, config.recompute_swiglu, config.cuda_graph) == ("auto", "auto", "auto")
     assert config.min_params == DEFAULT_MIN_PARAMS and config.include == () and config.hyperparameters == {}
     # the recipe's forge_* keys and optim_args' keys are the config's trainer keys, nothing else
     assert {f.name for f in dataclasses.fields(ForgeArguments)} == {f"forge_{k}" for k in trainer_keys()}
     assert all(k in OPTIM_ARGS_HELP for k in trainer_keys())
     assert {"optimizer", "seed", "hyperparameters"}.isdisjoint(trainer_keys())
+
+
+def test_auto_state_precision_follows_each_weights_dtype():
+    config = ForgeConfig()
+    assert config.state_precision_for(torch.bfloat16) == "bf16"
+    assert config.state_precision_for(torch.float32) == "fp32"
+    assert config.state_precision_for(torch.float16) == "fp32"  # states only come in fp32 and bf16
+    assert ForgeConfig(state_precision="al8").state_precision_for(torch.float32) == "al8"
+
+
+def test_the_switches_read_true_and_false_as_their_words():
+    config = ForgeConfig(lean_loss=True, recompute_swiglu=False, cuda_graph=True)
+    assert (config.lean_loss, config.recompute_swiglu, config.cuda_graph) == ("true", "false", "true")
 
 
 def test_from_options_splits_the_rules_hyperparameters():
@@ -38,12 +52,13 @@ def test_from_options_splits_the_rules_hyperparameters():
     (dict(optimizer="adamm"), ValueError, "unknown optimizer 'adamm' for forge: .*did you mean 'adamw'"),
     (dict(rounding="nearst"), ValueError, r"unknown rounding='nearst': choose one of \['stochastic', 'nearest'\] "
                                           r"\(did you mean 'nearest'\?\)"),
-    (dict(state_precision="int4"), ValueError, r"unknown state_precision='int4': choose one of \['fp32'"),
+    (dict(state_precision="int4"), ValueError, r"unknown state_precision='int4': choose one of \['auto', 'fp32'"),
     (dict(cuda_graph="sometimes"), ValueError, r"unknown cuda_graph='sometimes'"),
     (dict(exclude=["q_proj", ""]), TypeError, "non-empty strings"),
     (dict(min_params=True), ValueError, "min_params=True is not a count"),
     (dict(seed=-1), ValueError, "seed=-1 is not a count"),
-    (dict(lean_loss="yes"), ValueError, "lean_loss='yes': use True or False"),
+    (dict(lean_loss="yes"), ValueError, r"unknown lean_loss='yes': choose one of \['auto', 'true', 'false'\]"),
+    (dict(recompute_swiglu=1), ValueError, r"unknown recompute_swiglu=1: choose one of \['auto', 'true', 'false'\]"),
     (dict(betas=(0.9, 1.5)), ValueError, r"invalid betas=\(0.9, 1.5\)"),
     (dict(momentun=0.9), TypeError, r"unknown hyperparameter\(s\) \['momentun'\] for forge adamw"),
 ])

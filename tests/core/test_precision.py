@@ -19,7 +19,8 @@ def test_bf16_nearest_equals_fp32_update_rounded_once(rule, cls, hp, backend, de
     gen = torch.Generator().manual_seed(3)
     torch.manual_seed(3)
     lin = torch.nn.Linear(300, 200, bias=False, device=device, dtype=torch.bfloat16)
-    layer = ForgeLinear.from_linear(lin, optimizer=rule, rounding="nearest", backend=backend, **hp)
+    layer = ForgeLinear.from_linear(lin, optimizer=rule, state_precision="fp32", rounding="nearest", backend=backend,
+                                    **hp)
     shadow = torch.nn.Parameter(lin.weight.detach().float())
     opt = cls([shadow], foreach=False, **hp)
     identical, total = 0, 0

@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainingArguments
 
@@ -170,20 +171,29 @@ def test_lean_loss_reads_nothing_back_to_the_host(tmp_path):
 
 
 def test_lean_loss_is_an_optim_args_key(tmp_path):
-    assert config_from_training_args(training_args(tmp_path)).lean_loss is False
+    assert config_from_training_args(training_args(tmp_path)).lean_loss == "auto"
     config = config_from_training_args(training_args(tmp_path, optim_args="lean_loss=true,min_params=0"))
-    assert config.lean_loss is True and config.min_params == 0
-    with pytest.raises(ValueError, match="lean_loss='maybe': use true or false"):
+    assert config.lean_loss == "true" and config.min_params == 0
+    with pytest.raises(ValueError, match=r"unknown lean_loss='maybe': choose one of \['auto', 'true', 'false'\]"):
         config_from_training_args(training_args(tmp_path, optim_args="lean_loss=maybe"))
 
 
-def test_lean_loss_off_leaves_the_trainers_loss(tmp_path):
+def test_auto_takes_the_lean_loss_for_a_causal_lm_where_nothing_conflicts(tmp_path):
     def mine(outputs, labels, num_items_in_batch=None):
         return outputs.logits.float().mean()
 
-    trainer = ForgeTrainer(model=tiny_llama(VOCAB), args=training_args(tmp_path), train_dataset=padded_dataset(),
-                           compute_loss_func=mine)
-    assert trainer.compute_loss_func is mine
+    def loss_func(model=None, optim_args="backend=reference,min_params=0", **kwargs):
+        trainer = ForgeTrainer(model=model or tiny_llama(VOCAB), train_dataset=padded_dataset(),
+                               args=training_args(tmp_path, optim_args=optim_args, **kwargs.pop("args", {})), **kwargs)
+        return trainer.compute_loss_func
+
+    assert loss_func() is lean_causal_lm_loss  # auto, the default
+    assert loss_func(optim_args="backend=reference,min_params=0,lean_loss=false") is None
+    assert loss_func(compute_loss_func=mine) is mine  # yours is kept
+    assert loss_func(args=dict(label_smoothing_factor=0.1)) is None  # the Trainer smooths its own loss
+    assert loss_func(args=dict(use_liger_kernel=True)) is None  # Liger's fused linear cross-entropy
+    classifier = transformers.LlamaForSequenceClassification(tiny_llama(VOCAB).config)
+    assert loss_func(model=classifier) is None  # not a causal LM
 
 
 # ------------------------------------------------------------------ refusals
@@ -193,7 +203,7 @@ def test_refuses_a_compute_loss_func_of_the_users(tmp_path):
     def mine(outputs, labels, num_items_in_batch=None):
         return outputs.logits.float().mean()
 
-    with pytest.raises(ValueError, match=r"lean_loss=true with compute_loss_func=.*mine: .*drop lean_loss.*"
+    with pytest.raises(ValueError, match=r"lean_loss=true with compute_loss_func=.*mine: .*set lean_loss=false.*"
                                          r"or drop compute_loss_func"):
         ForgeTrainer(model=tiny_llama(VOCAB), args=training_args(tmp_path, optim_args=LEAN),
                      train_dataset=padded_dataset(), compute_loss_func=mine)
@@ -204,15 +214,15 @@ def test_refuses_a_batch_without_labels(tmp_path):
     before = [p.detach().clone() for p in model.parameters()]
     data = [{"input_ids": r["input_ids"]} for r in padded_dataset()]
     trainer = ForgeTrainer(model=model, args=training_args(tmp_path, optim_args=LEAN), train_dataset=data)
-    with pytest.raises(ValueError, match="lean_loss=true computes the loss from the batch's 'labels', and this "
-                                         "batch has none: .*or drop lean_loss"):
+    with pytest.raises(ValueError, match="lean_loss computes the loss from the batch's 'labels', and this "
+                                         "batch has none: .*or set optim_args lean_loss=false"):
         trainer.train()
     assert trainer.state.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
 
 def test_refuses_liger_fused_linear_cross_entropy(tmp_path):
-    with pytest.raises(ValueError, match=r"lean_loss=true with use_liger_kernel=True: .*drop lean_loss.*"
+    with pytest.raises(ValueError, match=r"lean_loss=true with use_liger_kernel=True: .*set lean_loss=false.*"
                                          r"fused_linear_cross_entropy': False.*use_liger_kernel=False"):
         ForgeTrainer(model=tiny_llama(VOCAB), args=training_args(tmp_path, optim_args=LEAN, use_liger_kernel=True),
                      train_dataset=padded_dataset())

@@ -246,15 +246,15 @@ def test_stop_on_nonfinite(tmp_path):
     assert trainer.state.global_step == 1
 
 
-def test_recompute_swiglu_through_optim_args_trains_bit_for_bit(tmp_path):
+def test_recompute_swiglu_by_default_trains_bit_for_bit(tmp_path):
     weights = []
-    for extra in ("", ",recompute_swiglu=true"):
+    for extra in (",recompute_swiglu=false", ""):
         trainer = ForgeTrainer(model=tiny_llama(), train_dataset=dataset(),
                                args=training_args(tmp_path / str(len(weights)), max_steps=3,
                                                   optim_args=FAST + extra))
         trainer.train()
         mlp = trainer.model.model.layers[0].mlp
-        assert ("forward" in mlp.__dict__) == bool(extra)
+        assert ("forward" in mlp.__dict__) == (not extra)  # auto: every SwiGLU MLP with a fused down_proj
         weights.append([p.detach().clone() for p in trainer.model.parameters()])
     for a, b in zip(*weights):
         assert torch.equal(a, b)

@@ -122,3 +122,5 @@ def test_it_refuses_models_it_cannot_change():
     forge_hf.patch_model(gelu, min_params=0, backend="reference")
     with pytest.raises(ValueError, match="hidden_act 'silu'"):
         recompute_swiglu(gelu)
+    assert recompute_swiglu(gelu, required=False) == []  # ForgeTrainer's recompute_swiglu=auto: nothing to do
+    assert "forward" not in gelu.model.layers[0].mlp.__dict__

@@ -587,3 +587,76 @@ def test_peft_lora_save_pretrained_and_merge_work_on_a_patched_model(tmp_path):
     assert type(merged.model.layers[0].self_attn.q_proj) is nn.Linear
     ids = torch.randint(0, 64, (1, 8))
     torch.testing.assert_close(merged.eval()(ids).logits, reference.eval()(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ state_precision="auto"
+
+
+def _train_llama(dtype, steps=3, **options):
+    """A tiny Llama of ``dtype`` patched with ``options`` and trained ``steps`` steps on fixed
+    batches (every parameter on the ordinary path or fused): (model, report, optimizer)."""
+    torch.manual_seed(0)
+    model = tiny_llama().to(dtype)
+    report = patch_model(model, min_params=0, backend="reference", **options)
+    optimizer = ForgeOptimizer(model, lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, report, optimizer
+
+
+@pytest.mark.parametrize("dtype,expected", [(torch.bfloat16, "bf16"), (torch.float32, "fp32")])
+def test_auto_state_precision_is_the_weights_dtype_and_steps_as_that_precision(dtype, expected):
+    auto, report, optimizer = _train_llama(dtype)
+    explicit, _, _ = _train_llama(dtype, state_precision=expected)
+    name = str(dtype).removeprefix("torch.")
+    assert report.summary().endswith(f"state_precision={expected} (auto: {name} weights), rounding=stochastic")
+    assert {state.stored_precision for state in optimizer.state.values()} == {expected}
+    assert all(s.dtype == dtype for state in optimizer.state.values() for s in state.slots if s is not None)
+    for a, b in zip(auto.parameters(), explicit.parameters()):
+        assert torch.equal(a, b)  # the same bits as the precision named
+
+
+def test_auto_state_precision_with_two_weight_dtypes_says_which_took_what():
+    model = tiny_llama()
+    model.model.layers[1].to(torch.bfloat16)
+    report = patch_model(model, min_params=0, backend="reference")
+    assert "state_precision=auto: bf16 for bfloat16 weights, fp32 for float32 weights," in report.summary()
+    assert patch_model(model, min_params=0, backend="reference").fused == []  # patched already: same choice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels run on Hopper GPUs")
+def test_bf16_weights_with_the_defaults_take_the_gluon_kernel_and_bf16_states(monkeypatch):
+    from forge_hf.kernels.launch import persistent_launch
+
+    taken = []
+    launch = persistent_launch.PersistentLaunch.__call__
+
+    def spy(self, *args):
+        taken.append(launch(self, *args))
+        return taken[-1]
+
+    monkeypatch.setattr(persistent_launch.PersistentLaunch, "__call__", spy)
+    weights, summaries = [], []
+    for options in ({}, dict(state_precision="bf16")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(384, 256, bias=False), nn.Linear(256, 384, bias=False))
+        model = model.to("cuda", torch.bfloat16)
+        summaries.append(patch_model(model, **options).summary())
+        optimizer = ForgeOptimizer(model, lr=1e-3)
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16, generator=generator)
+            model(x).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert "state_precision=bf16 (auto: bfloat16 weights)" in summaries[0]
+    assert len(taken) == 2 * 2 * 3 and all(taken)  # both layers, both runs, every step: the persistent Gluon kernel
+    for a, b in zip(*weights):
+        assert torch.equal(a, b)

@@ -1,7 +1,6 @@
 """The command line: `forge-hf --help` without torch, the forge optimizer names registered
-by `import forge_hf` after transformers, by importing ForgeTrainer, or by
-`forge_hf.register_optimizer_names()`, and every refusal of `forge-hf train` as one line,
-exit code 2 and no output directory."""
+by `import forge_hf` whichever of forge_hf, transformers and TRL comes first, and every
+refusal of `forge-hf train` as one line, exit code 2 and no output directory."""
 
 import os
 import re
@@ -71,6 +70,25 @@ ORDERS = {
         assert Trainer.get_optimizer_cls_and_kwargs.forge_refusal  # a plain Trainer points to ForgeTrainer
         print("OPTIM", TrainingArguments(OUT, optim="forge_lion").optim.value,
               TrainingArguments(OUT, optim="forge_adamw").optim.value)
+    """,
+    "forge_hf first, then TrainingArguments and nothing else": """
+        import forge_hf
+        from transformers import Trainer, TrainingArguments
+        assert Trainer.get_optimizer_cls_and_kwargs.forge_refusal  # a plain Trainer points to ForgeTrainer
+        print("OPTIM", TrainingArguments(OUT, optim="forge_lion").optim.value,
+              TrainingArguments(OUT, optim="forge_adamw").optim.value)
+    """,
+    "forge_hf first, then TRL's config": """
+        import forge_hf
+        import trl
+        print("OPTIM", trl.SFTConfig(OUT, optim="forge_lion", bf16=False).optim.value,
+              trl.SFTConfig(OUT, optim="forge_adamw", bf16=False).optim.value)
+    """,
+    "TRL first, then forge_hf": """
+        from trl import SFTConfig
+        import forge_hf
+        print("OPTIM", SFTConfig(OUT, optim="forge_lion", bf16=False).optim.value,
+              SFTConfig(OUT, optim="forge_adamw", bf16=False).optim.value)
     """,
 }
 
