@@ -1,8 +1,7 @@
 """Which code performs a layer's fused step: the backend (``reference``, ``triton``,
 ``auto``), on the GPU the kernel (wide or persistent Gluon kernel where one applies, else the
-Triton kernel; FORGE_HF_KERNEL), and the path (fused; the fused step on QuACK's engine where
-forge-hf[hopper] is installed; or two-pass: cuBLAS's gradient then the rule; FORGE_HF_WGRAD,
-timed per layer shape under ``auto``). docs/kernels.md explains the
+Triton kernel; FORGE_HF_KERNEL), and the path (fused, or two-pass: cuBLAS's gradient then the
+rule; FORGE_HF_WGRAD, timed per layer shape under ``auto``). docs/kernels.md explains the
 choices. ``resolve_backend`` and ``bind_fused_update`` return functions with the contract of
 ``launch_fused_update``.
 """
@@ -24,7 +23,6 @@ from ..core.config import BACKENDS
 from ..core.launch_args import step_is_captured
 from .launch.fused_update_launch import BoundLaunch
 from .launch.gluon_launch import kernel_choice
-from .launch.quack_launch import QuackLaunch, check_quack_installed, quack_layer_unsupported, quack_requested
 from .reference import reference_fused_update
 from .two_pass import GradientScratch, is_capturing, scratch_for, weight_gradient
 
@@ -33,9 +31,6 @@ WGRAD_PATHS = ("auto", "fused", "two_pass")
 # auto takes the two-pass path only where it is clearly faster: it costs a scratch buffer,
 # and one launch's time varies by a few percent
 TWO_PASS_MARGIN = 0.97
-# and QuACK's engine over the Gluon kernel likewise: a close call keeps the kernel with the
-# lighter launch
-QUACK_MARGIN = 0.97
 MEASURE_ROUNDS = 3
 # Below this many tokens auto takes the fused path without timing (and without the timing's
 # copies of the layer, which would add to the step's peak): kernel_microbench --paths
@@ -93,25 +88,16 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     On ``triton`` each token count's first launch chooses the fused or the two-pass path.
     Rebind when a state is allocated or loaded."""
     kernel_choice()  # an unknown FORGE_HF_KERNEL is refused on any device
-    check_quack_installed()
     fused = _bind_fused(backend, weight, slots, stats, rule_name, stochastic)
     mode = wgrad_mode()
     if resolve_backend(backend, weight.device) is not launch_fused_update:
         return fused  # the reference: no Triton for the rule pass, and the same arithmetic anyway
     scratch = scratch_for(weight.device)
     two_pass = _bind_two_pass(weight, slots, rule_name, stochastic, scratch)
-    quack = _bind_quack(weight, slots, rule_name, stochastic, fused)
-    engine_is_fused = quack is not None and quack_requested()  # FORGE_HF_KERNEL=quack: the fused path is the engine's
-    if engine_is_fused:
-        fused = quack
 
     def measure(x, dy, args) -> dict[str, PathTimes]:
-        bind_gluon = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
-        bind_engine = lambda w, s, st: _bind_quack(w, s, rule_name, stochastic, bind_gluon(w, s, st))
-        if engine_is_fused:
-            return _measure_paths(bind_engine, x, dy, weight, slots, args, rule_name, stochastic)
-        return _measure_paths(bind_gluon, x, dy, weight, slots, args, rule_name, stochastic,
-                              None if quack is None else bind_engine)
+        bind_copy = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
+        return _measure_paths(bind_copy, x, dy, weight, slots, args, rule_name, stochastic)
 
     chosen: dict = {}  # (tokens, token dtype, captured) -> this layer's path for them
 
@@ -126,22 +112,8 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
                 path = choice.graph_path if captured else choice.path
                 if choice.graph_path == "two_pass" and path != "two_pass":
                     scratch.reserve(weight.numel())  # a capture's steps will use it
-                run = chosen[(x.shape[0], x.dtype, captured)] = {"two_pass": two_pass, "quack": quack}.get(path, fused)
+                run = chosen[(x.shape[0], x.dtype, captured)] = two_pass if path == "two_pass" else fused
         run(x, dy, args, stats)
-    return launch
-
-
-def _bind_quack(weight, slots, rule_name: str, stochastic: bool, fallback: Callable) -> Callable | None:
-    """The fused step on QuACK's engine (launch/quack_launch.py), ``fallback`` for tokens it
-    does not take; None where the engine cannot step this layer (not installed, not a Hopper
-    GPU, a layout its TMA does not take, FORGE_HF_KERNEL keeping it off)."""
-    if quack_layer_unsupported(weight, slots) is not None:
-        return None
-    engine = QuackLaunch(weight, slots, rule_name, stochastic)
-
-    def launch(x, dy, args, stats):
-        if not engine(x, dy, args, stats):
-            fallback(x, dy, args, stats)
     return launch
 
 
@@ -226,13 +198,12 @@ class PathTimes(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class WgradChoice:
-    path: str  # "fused", "quack" (the fused step on QuACK's engine) or "two_pass", for eager steps
+    path: str  # "fused" or "two_pass", for eager steps
     reason: str  # "measured", "FORGE_HF_WGRAD=...", or why auto did not measure
     tokens: int  # the token count it was decided at
     fused: PathTimes | None = None
     two_pass: PathTimes | None = None
     graph_path: str = ""  # the path for captured steps, where only GPU time counts (default: path)
-    quack: PathTimes | None = None  # where the engine was timed too
 
     def __post_init__(self):
         if not self.graph_path:
@@ -293,22 +264,14 @@ def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | Non
         times = measure(x, dy, args)
     except torch.OutOfMemoryError:
         return _record(key, WgradChoice("fused", "auto: out of memory while timing the paths", tokens))
-    eager = fastest_path({name: t.eager_ms() for name, t in times.items()})
-    graph = fastest_path({name: t.gpu_ms for name, t in times.items()})
-    return _record(key, WgradChoice(eager, MEASURED, tokens, times["fused"], times["two_pass"], graph_path=graph,
-                                    quack=times.get("quack")))
+    fused, two = times["fused"], times["two_pass"]
+    return _record(key, WgradChoice(faster_path(fused.eager_ms(), two.eager_ms()), MEASURED, tokens, fused, two,
+                                    graph_path=faster_path(fused.gpu_ms, two.gpu_ms)))
 
 
 def faster_path(fused_ms: float, two_pass_ms: float) -> str:
     """auto's choice between measured costs (from AUTO_MIN_TOKENS tokens; below, fused)."""
     return "two_pass" if two_pass_ms < TWO_PASS_MARGIN * fused_ms else "fused"
-
-
-def fastest_path(ms: dict[str, float]) -> str:
-    """auto's choice among the measured paths: the fused kernels' faster (QuACK's engine only
-    when clearly so), then two-pass only where clearly faster than that."""
-    fused = "quack" if "quack" in ms and ms["quack"] < QUACK_MARGIN * ms["fused"] else "fused"
-    return "two_pass" if faster_path(ms[fused], ms["two_pass"]) == "two_pass" else fused
 
 
 def _record(key: WgradKey, choice: WgradChoice) -> WgradChoice:
@@ -323,9 +286,8 @@ def _record(key: WgradKey, choice: WgradChoice) -> WgradChoice:
 def describe_choice(key: WgradKey, choice: WgradChoice) -> str:
     """One line: the layer shape, its tokens, the times if measured, the path and why."""
     times = "" if choice.fused is None else (
-        f": fused {choice.fused.gpu_ms:.3f} ms on the GPU, {choice.fused.host_ms:.3f} ms on the host, "
-        + ("" if choice.quack is None else f"quack {choice.quack.gpu_ms:.3f} / {choice.quack.host_ms:.3f} ms, ")
-        + f"two-pass {choice.two_pass.gpu_ms:.3f} / {choice.two_pass.host_ms:.3f} ms")
+        f": fused {choice.fused.gpu_ms:.3f} ms on the GPU, {choice.fused.host_ms:.3f} ms on the host, two-pass "
+        f"{choice.two_pass.gpu_ms:.3f} / {choice.two_pass.host_ms:.3f} ms")
     path = choice.path if choice.graph_path == choice.path else \
         f"{choice.path} eagerly, {choice.graph_path} in a CUDA graph"
     return (f"weight gradient of {key.rule} {key.out_features}x{key.in_features} {key.weight_dtype} weights on "
@@ -345,21 +307,18 @@ def copy_layer(weight, slots) -> tuple:
     return copy(weight), slot_copies
 
 
-def _measure_paths(bind_fused, x, dy, weight, slots, args, rule_name, stochastic,
-                   bind_quack=None) -> dict[str, PathTimes]:
-    """GPU and host milliseconds of this step by each path (QuACK's engine too where
-    ``bind_quack`` is given), all run on copies of the weight and its states: the layer
-    itself is then stepped once, by the path chosen."""
+def _measure_paths(bind_fused, x, dy, weight, slots, args, rule_name, stochastic) -> dict[str, PathTimes]:
+    """GPU and host milliseconds of this step by each path, both run on copies of the weight
+    and its states: the layer itself is then stepped once, by the path chosen."""
     weight_copy, slot_copies = copy_layer(weight, slots)
     stats = torch.zeros(2, dtype=torch.float32, device=weight.device)
     fused = bind_fused(weight_copy, slot_copies, stats)
     # its own scratch: the shared one grows only for layers taking the path
     two_pass = _bind_two_pass(weight_copy, slot_copies, rule_name, stochastic, GradientScratch(weight.device))
-    paths = {"fused": lambda: fused(x, dy, args, stats), "two_pass": lambda: two_pass(x, dy, args, stats)}
-    if bind_quack is not None:
-        quack = bind_quack(weight_copy, slot_copies, stats)
-        paths["quack"] = lambda: quack(x, dy, args, stats)
-    return _time_paths_ms(paths)
+    return _time_paths_ms({
+        "fused": lambda: fused(x, dy, args, stats),
+        "two_pass": lambda: two_pass(x, dy, args, stats),
+    })
 
 
 def _time_paths_ms(paths: dict[str, Callable[[], None]], rounds: int = MEASURE_ROUNDS) -> dict[str, PathTimes]:

@@ -195,12 +195,14 @@ def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monk
     assert log == []
 
 
-def test_an_unknown_kernel_choice_is_refused_naming_the_choices(monkeypatch):
+# quack: a choice of earlier versions (QuACK's engine, kept at git tag quack-engine-final)
+@pytest.mark.parametrize("choice", ["gluon", "quack"])
+def test_an_unknown_kernel_choice_is_refused_naming_the_choices(choice, monkeypatch):
     w, state, *_ = _layer("bf16", 128, 256)
     before = w.clone()
-    monkeypatch.setenv("FORGE_HF_KERNEL", "gluon")
-    choices = r"\['auto', 'persistent', 'triton', 'quack'\]"
-    with pytest.raises(ValueError, match=r"FORGE_HF_KERNEL='gluon': choose one of " + choices):
+    monkeypatch.setenv("FORGE_HF_KERNEL", choice)
+    choices = r"\['auto', 'persistent', 'triton'\]"
+    with pytest.raises(ValueError, match=rf"FORGE_HF_KERNEL='{choice}': choose one of " + choices):
         bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
     assert torch.equal(w, before)
 

@@ -18,15 +18,14 @@ from .compiled import int_spec, launch_compiled, tensor_spec
 from .direct_launch import DirectLauncher
 
 KERNEL_ENV = "FORGE_HF_KERNEL"
-KERNEL_CHOICES = ("auto", "persistent", "triton", "quack")
+KERNEL_CHOICES = ("auto", "persistent", "triton")
 KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)  # fp32 states: not here
 _TOKEN_PLACES = 16  # token descriptors a layer keeps encoded (a few places a step; eval and train differ)
 
 
 def kernel_choice() -> str:
     """FORGE_HF_KERNEL: ``auto`` (default, also when empty), ``persistent`` (never the wide
-    kernel), ``triton`` (only triton/fused_update.py's kernel) or ``quack`` (QuACK's engine,
-    launch/quack_launch.py, wherever it applies)."""
+    kernel) or ``triton`` (only triton/fused_update.py's kernel)."""
     choice = os.environ.get(KERNEL_ENV) or "auto"
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: choose one of {list(KERNEL_CHOICES)}")
@@ -56,11 +55,9 @@ def device_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def weight_layout_unsupported(weight, slots, multiple: int, kinds: tuple = KINDS,
-                              other_kind: str = "a state slot is neither bf16, int8, al8 nor absent") -> str | None:
-    """Why a weight and its state slots do not suit a kernel whose tiles are ``multiple`` wide
-    and which stores ``kinds`` of state (None: they do); ``other_kind``: what a slot of another
-    kind is told."""
+def weight_layout_unsupported(weight, slots, multiple: int) -> str | None:
+    """Why a weight and its state slots do not suit a Gluon kernel whose tiles are ``multiple``
+    wide (None: they do)."""
     if weight.dtype != torch.bfloat16:
         return "the weight must be bf16"
     n, k = weight.shape
@@ -70,8 +67,8 @@ def weight_layout_unsupported(weight, slots, multiple: int, kinds: tuple = KINDS
     if weight.stride() != (k, 1) or not aligned(weight):
         return "weight is not row-major and 16-byte aligned"
     for slot in slots:
-        if storage_kind(slot) not in kinds:
-            return other_kind
+        if storage_kind(slot) not in KINDS:
+            return "a state slot is neither bf16, int8, al8 nor absent"
         codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
         if codes is not None and (codes.stride() != weight.stride() or not aligned(codes)):
             return "a state slot is not laid out as the weight"
