@@ -152,7 +152,8 @@ def _bind_fused(backend: str, weight, slots, kinds: tuple, stats, rule_name: str
         kernel = kernel_at.get(tokens)
         if kernel is None:
             kernel = kernel_at[tokens] = choose(weight, slots, kinds, tokens)[0]
-        if kernel == TRITON or not gluon[kernel](x, dy, args, stats):  # tokens a Gluon kernel cannot take
+        bound = gluon.get(kernel)  # None: the Triton kernel, or one not bound (FORGE_HF_KERNEL changed since)
+        if bound is None or not bound(x, dy, args, stats):  # or tokens the Gluon kernel cannot take
             triton_launch(x, dy, args, stats)
     return launch
 
