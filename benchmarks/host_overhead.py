@@ -15,13 +15,11 @@ import torch
 import triton
 
 import forge_hf
-from forge_hf.core.launch_args import next_launch_args, pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
-from forge_hf.kernels.dispatch import launch_fused_update
-from forge_hf.kernels.launch.compiled import launch_compiled
-from forge_hf.kernels.launch.fused_update_launch import BoundLaunch
+from forge_hf.kernels import BoundLaunch, launch_fused_update, next_launch_args, pack_args
 from forge_hf.kernels.launch.persistent_launch import PersistentLaunch, launch_persistent, persistent_unsupported
+from forge_hf.kernels.runtime.compiled import launch_compiled
 from forge_hf.kernels.triton.fused_update import RULE_UPDATES, fused_launch_arguments, fused_update_kernel
 
 from models import SHAPES, build_model, linear_shapes
@@ -81,7 +79,7 @@ def launch_costs() -> dict:
         "triton_jit_dispatch": lambda: fused_update_kernel[grid](*positional, **constexprs, num_warps=4,
                                                                  num_stages=3),
         "compiled_runner": lambda: runner(*every),
-        "launch_compiled_again": lambda: again(grid, positional),  # launch/direct_launch.py where it applies
+        "launch_compiled_again": lambda: again(grid, positional),  # runtime/direct_launch.py where it applies
         "bound_launch": lambda: bound(x, dy, args, stats),
         "bound_rule_pass": lambda: rule_pass(grad, grad, args, stats),
         "torch_add_": lambda: w.add_(0),  # for reference: one small torch op

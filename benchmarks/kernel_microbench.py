@@ -28,20 +28,22 @@ import torch
 import triton
 
 from forge_hf.core.config import STATE_PRECISIONS
-from forge_hf.core.launch_args import next_launch_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
-from forge_hf.kernels.dispatch import (
-    AUTO_MIN_TOKENS,
+from forge_hf.kernels import (
+    MANY_TOKENS,
     TWO_PASS_MARGIN,
+    GradientScratch,
     faster_path,
     launch_fused_update,
     launch_rule_step,
+    matmul_fp32,
+    next_launch_args,
+    weight_gradient,
 )
 from forge_hf.kernels.launch.persistent_launch import launch_persistent, persistent_unsupported
 from forge_hf.kernels.launch.wide_launch import launch_wide, wide_unsupported
 from forge_hf.kernels.triton.fused_update import RULE_UPDATES, default_config
-from forge_hf.kernels.two_pass import GradientScratch, matmul_fp32, weight_gradient
 
 import kernel_ablations
 from models import SHAPES, linear_shapes
@@ -224,7 +226,7 @@ def main():
             totals["two_pass_gemm"] += row["two_pass_gemm_ms"] * count
             parts.append(f"two-pass {row['two_pass_ms']:.3f} (GEMM fp32 out {row['two_pass_gemm_ms']:.3f})")
         if "fused" in paths and "two_pass" in paths:  # dispatch's auto rule on these times
-            row["auto_path"] = "fused" if x.shape[0] < AUTO_MIN_TOKENS else \
+            row["auto_path"] = "fused" if x.shape[0] < MANY_TOKENS else \
                 faster_path(row["best_ms"], row["two_pass_ms"])
             totals["auto"] += row[{"two_pass": "two_pass_ms", "fused": "best_ms"}[row["auto_path"]]] * count
             parts[-1] += f" -> {row['auto_path']}"
@@ -269,7 +271,7 @@ def main():
         picks = ", ".join(f"{r['shape']} {r['auto_path']}" for r in rows)
         table.append(dict(arm=f"auto_{opts.kernel}_{opts.state}", step_ms=totals["auto"],
                           note=f"{setup}; per shape the faster path by dispatch's rule "
-                               f"(from {AUTO_MIN_TOKENS} tokens, two-pass under {TWO_PASS_MARGIN} of fused): {picks}"))
+                               f"(from {MANY_TOKENS} tokens, two-pass under {TWO_PASS_MARGIN} of fused): {picks}"))
     if "cublas" in paths:
         table.append(dict(arm="cublas_wgrad", step_ms=totals["cublas"],
                           note="torch.mm(dy.t(), x) per shape, bf16, CUDA-graph replays"))

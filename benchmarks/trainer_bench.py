@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import cProfile
 import gc
-import importlib.util
 import json
 import os
 import pstats
@@ -268,12 +267,6 @@ LIGER = dict(use_liger_kernel=True, liger_kernel_config=dict(rope=True, rms_norm
                                                              cross_entropy=False, fused_linear_cross_entropy=False))
 
 
-def quack_installed() -> bool:
-    """Whether forge-hf[hopper]'s packages are present, found without importing forge_hf: a
-    forge_hf imported before transformers registers no optimizer names with it."""
-    return all(importlib.util.find_spec(name) is not None for name in ("cutlass", "quack"))
-
-
 def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "triton", overlap: bool = True,
               step_sync: bool = True, non_blocking: bool = False) -> str:
     """The row's arm: ``trainer_<arm>``, then ``+liger``, ``+<key>`` for each forge option given
@@ -281,16 +274,13 @@ def arm_label(arm: str, forge_options: str, liger: bool, loss_rows: str = "trito
     ``+non_blocking`` for batches copied without blocking the host and ``+no_step_sync`` for
     steps timed as the intervals between their ends, so that the report keeps configurations
     and ways of timing apart. A forge arm run with FORGE_HF_KERNEL or FORGE_HF_WGRAD set in the
-    environment is named by it too (``+kernel_persistent``, ``+wgrad_two_pass``), and one whose
-    auto may take QuACK's engine (forge-hf[hopper] installed) by ``+quack``."""
+    environment is named by it too (``+kernel_persistent``, ``+wgrad_two_pass``)."""
     tags = ["liger"] if liger else []
     if arm.removeprefix("sft_").startswith("forge"):
         tags += sorted(item.partition("=")[0].strip() for item in forge_options.split(",") if item.strip())
         tags += ["torch_loss_rows"] * (loss_rows == "torch") + ["no_overlap"] * (not overlap)
         tags += [f"{tag}_{os.environ[env]}" for tag, env in (("kernel", "FORGE_HF_KERNEL"), ("wgrad", "FORGE_HF_WGRAD"))
                  if os.environ.get(env)]
-        if os.environ.get("FORGE_HF_KERNEL", "auto") in ("", "auto"):
-            tags += ["quack"] * quack_installed()
     tags += ["non_blocking"] * non_blocking + ["no_step_sync"] * (not step_sync)
     return "+".join([f"trainer_{arm}", *tags])
 

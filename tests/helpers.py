@@ -22,18 +22,6 @@ interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
                                       reason="runs Triton's interpreter on CPU tensors, set up only without a GPU")
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-def quack_on_hopper() -> list:
-    """The marks of a test of QuACK's engine (kernels/cute/): a GPU test, skipped without the
-    hopper extra or a Hopper GPU."""
-    from forge_hf.kernels import cute
-    return [pytest.mark.gpu,
-            pytest.mark.skipif(not cute.available(), reason=f"needs QuACK and the CuTe DSL: {cute.INSTALL_HINT}"),
-            pytest.mark.skipif(not _hopper(), reason="QuACK's sm90 GEMM needs a Hopper GPU")]
-
 # fp32 weights and states against torch.optim fed the same gradient: relative to the
 # largest weight, so near-zero entries are judged on the tensor's scale.
 RTOL_FP32 = 1e-5

@@ -151,6 +151,11 @@ def storage_kind(slot) -> int:
     return BF16 if slot.dtype == torch.bfloat16 else FP32
 
 
+def storage_kinds(slots) -> tuple[int, ...]:
+    """Each slot's storage_kind: what a layer's kernel is chosen and compiled for."""
+    return tuple(storage_kind(s) for s in slots)
+
+
 # ------------------------------------------------------------ torch side
 
 

@@ -1,10 +1,8 @@
-"""Which code performs a layer's fused step: the backend (``reference``, ``triton``,
-``auto``), on the GPU the kernel (wide or persistent Gluon kernel where one applies, else the
-Triton kernel; FORGE_HF_KERNEL), and the path (fused; the fused step on QuACK's engine where
-forge-hf[hopper] is installed; or two-pass: cuBLAS's gradient then the rule; FORGE_HF_WGRAD,
-timed per layer shape under ``auto``). docs/kernels.md explains the
-choices. ``resolve_backend`` and ``bind_fused_update`` return functions with the contract of
-``launch_fused_update``.
+"""How a layer's fused step runs: the backend (``reference``, ``triton``, ``auto``), on the GPU
+the kernel select.py chooses, bound once per layer, and the path (fused, or two-pass:
+cuBLAS's gradient then the rule), timed per layer shape where FORGE_HF_WGRAD=auto (select.py
+says when). docs/kernels.md explains the choices. ``resolve_backend`` and
+``bind_fused_update`` return functions with the contract of ``launch_fused_update``.
 """
 
 from __future__ import annotations
@@ -19,28 +17,27 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.codecs import QuantisedSlot, storage_kind
+from ..core.codecs import QuantisedSlot, storage_kinds
 from ..core.config import BACKENDS
-from ..core.launch_args import step_is_captured
 from .launch.fused_update_launch import BoundLaunch
-from .launch.gluon_launch import kernel_choice
-from .launch.quack_launch import QuackLaunch, check_quack_installed, quack_layer_unsupported, quack_requested
+from .launch.gluon_launch import tokens_unsupported
 from .reference import reference_fused_update
+from .runtime.launch_args import step_is_captured
+from .select import (
+    MANY_TOKENS,
+    PERSISTENT,
+    TRITON,
+    WGRAD_ENV,
+    WIDE,
+    choose,
+    faster_path,
+    kernel_setting,
+    untimed_reason,
+    wgrad_setting,
+)
 from .two_pass import GradientScratch, is_capturing, scratch_for, weight_gradient
 
-WGRAD_ENV = "FORGE_HF_WGRAD"
-WGRAD_PATHS = ("auto", "fused", "two_pass")
-# auto takes the two-pass path only where it is clearly faster: it costs a scratch buffer,
-# and one launch's time varies by a few percent
-TWO_PASS_MARGIN = 0.97
-# and QuACK's engine over the Gluon kernel likewise: a close call keeps the kernel with the
-# lighter launch
-QUACK_MARGIN = 0.97
 MEASURE_ROUNDS = 3
-# Below this many tokens auto takes the fused path without timing (and without the timing's
-# copies of the layer, which would add to the step's peak): kernel_microbench --paths
-# measures the fused kernel ahead of the two passes at 512 tokens on Llama-3.1-8B's shapes
-AUTO_MIN_TOKENS = 1024
 # ~1 ms of GPU sleep before each timed path: the host queues the path's launches meanwhile,
 # so the gaps between them (absent from a CUDA-graph replay) are not timed
 HOST_LEAD_CYCLES = 2_000_000
@@ -92,26 +89,18 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     backend's choice, on the persistent kernel its descriptors, the FORGE_HF_WGRAD mode).
     On ``triton`` each token count's first launch chooses the fused or the two-pass path.
     Rebind when a state is allocated or loaded."""
-    kernel_choice()  # an unknown FORGE_HF_KERNEL is refused on any device
-    check_quack_installed()
-    fused = _bind_fused(backend, weight, slots, stats, rule_name, stochastic)
-    mode = wgrad_mode()
+    kernel_setting()  # an unknown FORGE_HF_KERNEL is refused on any device
+    kinds = storage_kinds(slots)  # what the layer's kernel and path are chosen for
+    fused = _bind_fused(backend, weight, slots, kinds, stats, rule_name, stochastic)
+    mode = wgrad_setting()
     if resolve_backend(backend, weight.device) is not launch_fused_update:
         return fused  # the reference: no Triton for the rule pass, and the same arithmetic anyway
     scratch = scratch_for(weight.device)
     two_pass = _bind_two_pass(weight, slots, rule_name, stochastic, scratch)
-    quack = _bind_quack(weight, slots, rule_name, stochastic, fused)
-    engine_is_fused = quack is not None and quack_requested()  # FORGE_HF_KERNEL=quack: the fused path is the engine's
-    if engine_is_fused:
-        fused = quack
 
     def measure(x, dy, args) -> dict[str, PathTimes]:
-        bind_gluon = lambda w, s, st: _bind_fused(backend, w, s, st, rule_name, stochastic)
-        bind_engine = lambda w, s, st: _bind_quack(w, s, rule_name, stochastic, bind_gluon(w, s, st))
-        if engine_is_fused:
-            return _measure_paths(bind_engine, x, dy, weight, slots, args, rule_name, stochastic)
-        return _measure_paths(bind_gluon, x, dy, weight, slots, args, rule_name, stochastic,
-                              None if quack is None else bind_engine)
+        bind_copy = lambda w, s, st: _bind_fused(backend, w, s, kinds, st, rule_name, stochastic)
+        return _measure_paths(bind_copy, x, dy, weight, slots, args, rule_name, stochastic)
 
     chosen: dict = {}  # (tokens, token dtype, captured) -> this layer's path for them
 
@@ -119,29 +108,15 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
         captured = step_is_captured()
         run = chosen.get((x.shape[0], x.dtype, captured))
         if run is None:
-            choice = _decide(wgrad_key(x, weight, slots, rule_name), mode, x, dy, args, measure)
+            choice = _decide(wgrad_key(x, weight, kinds, rule_name), mode, x, dy, args, measure)
             if choice is None:  # a capture before any measurement: fused, measured at an eager step
                 run = fused
             else:
                 path = choice.graph_path if captured else choice.path
                 if choice.graph_path == "two_pass" and path != "two_pass":
                     scratch.reserve(weight.numel())  # a capture's steps will use it
-                run = chosen[(x.shape[0], x.dtype, captured)] = {"two_pass": two_pass, "quack": quack}.get(path, fused)
+                run = chosen[(x.shape[0], x.dtype, captured)] = two_pass if path == "two_pass" else fused
         run(x, dy, args, stats)
-    return launch
-
-
-def _bind_quack(weight, slots, rule_name: str, stochastic: bool, fallback: Callable) -> Callable | None:
-    """The fused step on QuACK's engine (launch/quack_launch.py), ``fallback`` for tokens it
-    does not take; None where the engine cannot step this layer (not installed, not a Hopper
-    GPU, a layout its TMA does not take, FORGE_HF_KERNEL keeping it off)."""
-    if quack_layer_unsupported(weight, slots) is not None:
-        return None
-    engine = QuackLaunch(weight, slots, rule_name, stochastic)
-
-    def launch(x, dy, args, stats):
-        if not engine(x, dy, args, stats):
-            fallback(x, dy, args, stats)
     return launch
 
 
@@ -157,9 +132,9 @@ def _bind_two_pass(weight, slots, rule_name: str, stochastic: bool, scratch: Gra
     return two_pass
 
 
-def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: bool) -> Callable:
-    """The fused path's ``launch(x, dy, args, stats)``: a Gluon kernel where one applies (the
-    wide one from wide_launch.MIN_TOKENS tokens, else the persistent one), else the
+def _bind_fused(backend: str, weight, slots, kinds: tuple, stats, rule_name: str, stochastic: bool) -> Callable:
+    """The fused path's ``launch(x, dy, args, stats)``: the kernel select.choose names for
+    each token count (a Gluon kernel bound to the layer, else the Triton kernel), or the
     backend's function."""
     run = resolve_backend(backend, weight.device)
     if run is not launch_fused_update:
@@ -167,34 +142,37 @@ def _bind_fused(backend: str, weight, slots, stats, rule_name: str, stochastic: 
             run(x, dy, weight, slots, args, stats, rule_name, stochastic)
         return launch
     triton_launch = BoundLaunch(weight, slots, rule_name, stochastic)
-    if not _kernels().INTERPRETER:
-        from .launch.persistent_launch import PersistentLaunch, device_unsupported, weight_unsupported
-        from .launch.wide_launch import MIN_TOKENS, WideLaunch, wide_layer_unsupported
+    gluon = _bind_gluon(weight, slots, kinds, stats, rule_name, stochastic)
+    if not gluon:
+        return triton_launch
+    kernel_at: dict[int, str] = {}  # token count -> the kernel chosen for it
 
-        if device_unsupported(weight.device) is None and weight_unsupported(weight, slots) is None:
-            rule_update = _kernels().RULE_UPDATES[rule_name]
-            persistent = PersistentLaunch(weight, slots, stats, rule_update, stochastic)
-            wide = WideLaunch(weight, slots, stats, rule_update, stochastic) \
-                if wide_layer_unsupported(weight, slots) is None else None
+    def launch(x, dy, args, stats):
+        tokens = x.shape[0]
+        kernel = kernel_at.get(tokens)
+        if kernel is None:
+            kernel = kernel_at[tokens] = choose(weight, slots, kinds, tokens)[0]
+        bound = gluon.get(kernel)  # None: the Triton kernel, or one not bound (FORGE_HF_KERNEL changed since)
+        if bound is None or not bound(x, dy, args, stats):  # or tokens the Gluon kernel cannot take
+            triton_launch(x, dy, args, stats)
+    return launch
 
-            def launch(x, dy, args, stats):
-                if wide is not None and x.shape[0] >= MIN_TOKENS and wide(x, dy, args, stats):
-                    return
-                if not persistent(x, dy, args, stats):  # tokens it cannot take
-                    triton_launch(x, dy, args, stats)
-            return launch
-    return triton_launch
+
+def _bind_gluon(weight, slots, kinds: tuple, stats, rule_name: str, stochastic: bool) -> dict:
+    """kernel name -> its launches bound to this layer, for each Gluon kernel select.choose
+    takes for it below and from MANY_TOKENS tokens (empty: none)."""
+    chosen = {choose(weight, slots, kinds, tokens)[0] for tokens in (MANY_TOKENS - 1, MANY_TOKENS)} - {TRITON}
+    if not chosen:
+        return {}
+    from .launch.persistent_launch import PersistentLaunch
+    from .launch.wide_launch import WideLaunch
+
+    rule_update = _kernels().RULE_UPDATES[rule_name]
+    bound = {PERSISTENT: PersistentLaunch, WIDE: WideLaunch}
+    return {kernel: bound[kernel](weight, slots, stats, rule_update, stochastic) for kernel in chosen}
 
 
 # ------------------------------------------------------------- fused or two-pass
-
-
-def wgrad_mode() -> str:
-    """FORGE_HF_WGRAD: ``auto`` (default, also when empty), ``fused`` or ``two_pass``."""
-    mode = os.environ.get(WGRAD_ENV) or "auto"
-    if mode not in WGRAD_PATHS:
-        raise ValueError(f"{WGRAD_ENV}={mode!r}: choose one of {list(WGRAD_PATHS)}")
-    return mode
 
 
 class WgradKey(NamedTuple):
@@ -226,13 +204,12 @@ class PathTimes(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class WgradChoice:
-    path: str  # "fused", "quack" (the fused step on QuACK's engine) or "two_pass", for eager steps
+    path: str  # "fused" or "two_pass", for eager steps
     reason: str  # "measured", "FORGE_HF_WGRAD=...", or why auto did not measure
     tokens: int  # the token count it was decided at
     fused: PathTimes | None = None
     two_pass: PathTimes | None = None
     graph_path: str = ""  # the path for captured steps, where only GPU time counts (default: path)
-    quack: PathTimes | None = None  # where the engine was timed too
 
     def __post_init__(self):
         if not self.graph_path:
@@ -247,11 +224,10 @@ def token_bucket(tokens: int) -> int:
     return 1 << max(tokens - 1, 0).bit_length()
 
 
-def wgrad_key(x, weight, slots, rule_name: str) -> WgradKey:
+def wgrad_key(x, weight, kinds: tuple, rule_name: str) -> WgradKey:
     n, k = weight.shape
     return WgradKey(str(weight.device), n, k, token_bucket(x.shape[0]), str(x.dtype).removeprefix("torch."),
-                    str(weight.dtype).removeprefix("torch."), tuple(storage_kind(s) for s in slots), rule_name,
-                    weight.stride(0) < weight.stride(1))
+                    str(weight.dtype).removeprefix("torch."), kinds, rule_name, weight.stride(0) < weight.stride(1))
 
 
 def wgrad_choices() -> dict[WgradKey, WgradChoice]:
@@ -264,17 +240,6 @@ def reset_wgrad_choices() -> None:
     _DECISIONS.clear()
 
 
-def _unmeasurable(x, dy, device: torch.device) -> str | None:
-    """Why auto takes the fused path without timing (None: it times both)."""
-    if device.type != "cuda":
-        return f"auto on {device.type}: no GPU to time on"
-    if x.shape[0] < AUTO_MIN_TOKENS:
-        return f"auto below {AUTO_MIN_TOKENS} tokens: the fused kernel is the faster there"
-    if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
-        return "auto with fp32 tokens: the fused kernel keeps IEEE fp32 products where cuBLAS may use TF32"
-    return None
-
-
 def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | None:
     """The path for ``key`` (None: fused for now, undecided)."""
     tokens = x.shape[0]
@@ -284,7 +249,7 @@ def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | Non
     if known is not None and not known.reason.startswith(WGRAD_ENV):
         return known
     device = torch.device(key.device)
-    reason = _unmeasurable(x, dy, device)
+    reason = untimed_reason(x, dy, device)
     if reason is not None:
         return _record(key, WgradChoice("fused", reason, tokens))
     if is_capturing(device):
@@ -293,22 +258,9 @@ def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | Non
         times = measure(x, dy, args)
     except torch.OutOfMemoryError:
         return _record(key, WgradChoice("fused", "auto: out of memory while timing the paths", tokens))
-    eager = fastest_path({name: t.eager_ms() for name, t in times.items()})
-    graph = fastest_path({name: t.gpu_ms for name, t in times.items()})
-    return _record(key, WgradChoice(eager, MEASURED, tokens, times["fused"], times["two_pass"], graph_path=graph,
-                                    quack=times.get("quack")))
-
-
-def faster_path(fused_ms: float, two_pass_ms: float) -> str:
-    """auto's choice between measured costs (from AUTO_MIN_TOKENS tokens; below, fused)."""
-    return "two_pass" if two_pass_ms < TWO_PASS_MARGIN * fused_ms else "fused"
-
-
-def fastest_path(ms: dict[str, float]) -> str:
-    """auto's choice among the measured paths: the fused kernels' faster (QuACK's engine only
-    when clearly so), then two-pass only where clearly faster than that."""
-    fused = "quack" if "quack" in ms and ms["quack"] < QUACK_MARGIN * ms["fused"] else "fused"
-    return "two_pass" if faster_path(ms[fused], ms["two_pass"]) == "two_pass" else fused
+    fused, two = times["fused"], times["two_pass"]
+    return _record(key, WgradChoice(faster_path(fused.eager_ms(), two.eager_ms()), MEASURED, tokens, fused, two,
+                                    graph_path=faster_path(fused.gpu_ms, two.gpu_ms)))
 
 
 def _record(key: WgradKey, choice: WgradChoice) -> WgradChoice:
@@ -323,9 +275,8 @@ def _record(key: WgradKey, choice: WgradChoice) -> WgradChoice:
 def describe_choice(key: WgradKey, choice: WgradChoice) -> str:
     """One line: the layer shape, its tokens, the times if measured, the path and why."""
     times = "" if choice.fused is None else (
-        f": fused {choice.fused.gpu_ms:.3f} ms on the GPU, {choice.fused.host_ms:.3f} ms on the host, "
-        + ("" if choice.quack is None else f"quack {choice.quack.gpu_ms:.3f} / {choice.quack.host_ms:.3f} ms, ")
-        + f"two-pass {choice.two_pass.gpu_ms:.3f} / {choice.two_pass.host_ms:.3f} ms")
+        f": fused {choice.fused.gpu_ms:.3f} ms on the GPU, {choice.fused.host_ms:.3f} ms on the host, two-pass "
+        f"{choice.two_pass.gpu_ms:.3f} / {choice.two_pass.host_ms:.3f} ms")
     path = choice.path if choice.graph_path == choice.path else \
         f"{choice.path} eagerly, {choice.graph_path} in a CUDA graph"
     return (f"weight gradient of {key.rule} {key.out_features}x{key.in_features} {key.weight_dtype} weights on "
@@ -345,21 +296,18 @@ def copy_layer(weight, slots) -> tuple:
     return copy(weight), slot_copies
 
 
-def _measure_paths(bind_fused, x, dy, weight, slots, args, rule_name, stochastic,
-                   bind_quack=None) -> dict[str, PathTimes]:
-    """GPU and host milliseconds of this step by each path (QuACK's engine too where
-    ``bind_quack`` is given), all run on copies of the weight and its states: the layer
-    itself is then stepped once, by the path chosen."""
+def _measure_paths(bind_fused, x, dy, weight, slots, args, rule_name, stochastic) -> dict[str, PathTimes]:
+    """GPU and host milliseconds of this step by each path, both run on copies of the weight
+    and its states: the layer itself is then stepped once, by the path chosen."""
     weight_copy, slot_copies = copy_layer(weight, slots)
     stats = torch.zeros(2, dtype=torch.float32, device=weight.device)
     fused = bind_fused(weight_copy, slot_copies, stats)
     # its own scratch: the shared one grows only for layers taking the path
     two_pass = _bind_two_pass(weight_copy, slot_copies, rule_name, stochastic, GradientScratch(weight.device))
-    paths = {"fused": lambda: fused(x, dy, args, stats), "two_pass": lambda: two_pass(x, dy, args, stats)}
-    if bind_quack is not None:
-        quack = bind_quack(weight_copy, slot_copies, stats)
-        paths["quack"] = lambda: quack(x, dy, args, stats)
-    return _time_paths_ms(paths)
+    return _time_paths_ms({
+        "fused": lambda: fused(x, dy, args, stats),
+        "two_pass": lambda: two_pass(x, dy, args, stats),
+    })
 
 
 def _time_paths_ms(paths: dict[str, Callable[[], None]], rounds: int = MEASURE_ROUNDS) -> dict[str, PathTimes]:
@@ -387,18 +335,17 @@ def launch_fused_update(x, dy, weight, slots, args, stats, rule_name, stochastic
                         **options) -> None:
     """One fused step of one layer on the GPU kernels (arguments as in
     fused_update.fused_launch_arguments). ``blocks`` or launch ``options`` (num_warps,
-    num_stages, maxnreg) pin the Triton kernel with them; without either, a Gluon kernel
-    runs where one applies, as in _bind_fused."""
+    num_stages, maxnreg) pin the Triton kernel with them; without either, the kernel
+    select.choose names runs, as in _bind_fused."""
     fused_update = _kernels()
-    if blocks is None and not options and not fused_update.INTERPRETER:
-        from .launch.persistent_launch import launch_persistent, persistent_unsupported
-        from .launch.wide_launch import MIN_TOKENS, launch_wide, wide_unsupported
-        rule_update = fused_update.RULE_UPDATES[rule_name]
-        if x.shape[0] >= MIN_TOKENS and wide_unsupported(x, dy, weight, slots) is None:
-            launch_wide(x, dy, weight, slots, args, stats, rule_update, stochastic)
-            return
-        if persistent_unsupported(x, dy, weight, slots) is None:
-            launch_persistent(x, dy, weight, slots, args, stats, rule_update, stochastic)
+    if blocks is None and not options:
+        kernel, _ = choose(weight, slots, storage_kinds(slots), x.shape[0])
+        if kernel != TRITON and tokens_unsupported(x, dy) is None:
+            from .launch.persistent_launch import launch_persistent
+            from .launch.wide_launch import launch_wide
+
+            launch = launch_wide if kernel == WIDE else launch_persistent
+            launch(x, dy, weight, slots, args, stats, fused_update.RULE_UPDATES[rule_name], stochastic)
             return
     config = fused_update.default_config(*weight.shape, x.shape[0])
     known = sorted(set(config) - {"blocks"})

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.two_pass import addmm_fp32, matmul_fp32
+from ..kernels import addmm_fp32, matmul_fp32
 
 NORM_CHUNK = 1 << 24  # fp32 entries of the gradient formed at once for a stash's norm
 

@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import ForgeConfig, resolve_config
-from ..core.launch_args import next_launch_args
 from ..core.rounding import layer_salt
 from ..core.state import ForgeState
-from ..kernels.dispatch import bind_fused_update
+from ..kernels import bind_fused_update, next_launch_args
 from .backward_checks import as_dtype, input_gradient, refuse_second_backward
 from .compiled_linear import compiled_forward, new_anchor
 

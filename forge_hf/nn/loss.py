@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.triton.cross_entropy import row_grad_, row_lse
+from ..kernels import row_grad_, row_lse
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 24  # fp32 temporaries of one block of rows: 64 MiB

@@ -5,7 +5,7 @@ sizes that fit a big model on one GPU the host cannot queue them as fast as the 
 them. Captured once, the step (forward, backward with the fused updates, and
 ``ForgeOptimizer.step``) replays with one launch. What changes from step to step comes in
 through tensors the graph reads: the batch (copied into the captured inputs) and every
-launch's arguments (``core/launch_args.ArgsTable``: learning rate, bias corrections, step count,
+launch's arguments (``kernels/runtime/launch_args.ArgsTable``: learning rate, bias corrections, step count,
 refreshed on the host before each replay). The fused updates of a replay are those of the
 eager step, bit for bit, given the same inputs; the model's own matmuls may round
 differently under capture (cuBLAS chooses its algorithms with another workspace).
@@ -47,8 +47,7 @@ import torch
 from torch import nn
 
 from ..core.codecs import QuantisedSlot
-from ..core.launch_args import ArgsTable
-from ..kernels.two_pass import grow_reserved_scratch
+from ..kernels import ArgsTable, grow_reserved_scratch
 from ..nn.loss import causal_lm_loss
 from .distributed import average_gradients, broadcast_parameters
 from .optimizer import ForgeOptimizer, fused_layers

@@ -16,13 +16,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.codecs import QuantisedSlot
-from ..core.launch_args import next_launch_args, release_held_args
 from ..core.rounding import layer_salt
 from ..core.state import ForgeState
-from ..kernels.dispatch import resolve_backend
-from ..kernels.launch.fused_update_launch import BoundLaunch
-from ..kernels.reference import reference_fused_update, reference_rule_rows
-from ..kernels.triton.multi_tensor import MultiTensorRulePass, batch_kind
+from ..kernels import (
+    BoundLaunch,
+    MultiTensorRulePass,
+    batch_kind,
+    next_launch_args,
+    reference_fused_update,
+    reference_rule_rows,
+    release_held_args,
+    resolve_backend,
+)
 from ..nn.held_gradient import HeldGradient
 from ..nn.linear import FusedWeightMixin
 from .fsdp import enable_fsdp, fsdp_needed, param_shards

@@ -18,7 +18,7 @@ import torch
 from ..core.codecs import decode, encode, slot_codec
 from ..core.config import ForgeConfig
 from ..core.rules import get_rule, make_group
-from ..kernels.reference import RULE_UPDATES
+from ..kernels import TORCH_RULE_UPDATES
 
 SPREADS = {"narrow": 0.5, "medium": 2.0, "wide": 6.0}  # sigma of log2 of the scale, bits
 
@@ -72,7 +72,7 @@ def _update(rule, group: dict, states: dict, grad: torch.Tensor) -> torch.Tensor
     consts = torch.tensor(rule.prepare(group, host), dtype=torch.float32).to(grad.device)
     zero = torch.zeros_like(grad)
     slots = [states.get(name, zero) for name in rule.slot_names] + [zero] * (3 - len(rule.slot_names))
-    w = RULE_UPDATES[rule.name](zero, grad, *slots, *consts.unbind())[0]
+    w = TORCH_RULE_UPDATES[rule.name](zero, grad, *slots, *consts.unbind())[0]
     return w  # the weight started at 0: this is the update
 
 

@@ -2,7 +2,6 @@
 report (one row per model, batch and arm) keeps configurations apart."""
 
 import json
-import os
 
 import pytest
 
@@ -39,14 +38,6 @@ def test_an_arm_is_named_by_its_options(trainer_bench, monkeypatch):
     assert label("forge", "lean_loss=true", True, step_sync=False) == \
         "trainer_forge+liger+lean_loss+kernel_persistent+wgrad_two_pass+no_step_sync"
     assert label("adamw_fused", "", False) == "trainer_adamw_fused"
-    # with QuACK's engine installed, auto may take it: forge arms say so, unless a kernel is chosen
-    monkeypatch.setattr(trainer_bench, "quack_installed", lambda: True)
-    monkeypatch.delenv("FORGE_HF_WGRAD")
-    monkeypatch.delenv("FORGE_HF_KERNEL")
-    assert label("forge", "", True) == "trainer_forge+liger+quack"
-    assert label("adamw_fused", "", True) == "trainer_adamw_fused+liger"
-    monkeypatch.setenv("FORGE_HF_KERNEL", "quack")
-    assert label("forge", "", True) == "trainer_forge+liger+kernel_quack"
 
 
 def test_each_steps_peak_names_the_step_that_allocated_what_is_alive(trainer_bench):
@@ -150,17 +141,3 @@ def test_the_report_orders_cells_of_varying_lengths():
         assert report.cell_size("4x128-512") == (4, 512)
         assert report.cell_size("4x128-512/flat") == (4, 512)
         assert report.cell_size("params") == (0, 0)
-
-
-def test_naming_an_arm_imports_no_forge_hf(trainer_bench):
-    """The row's name is formed before the arm imports transformers: a forge_hf imported first
-    would register no optimizer names with it."""
-    import subprocess
-    import sys
-
-    from tests.helpers import BENCHMARKS
-    code = (f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import trainer_bench; "
-            "trainer_bench.arm_label('forge', '', True); print('forge_hf' in sys.modules)")
-    env = {k: v for k, v in os.environ.items() if k != "FORGE_HF_KERNEL"}  # auto: the engine's check runs
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.strip() == "False"

@@ -101,10 +101,10 @@ def test_a_row_band_rounds_like_the_same_rows_of_the_whole_weight(backend, devic
     """Data-parallel ranks step bands of a weight's rows; given the band's first row, the
     stochastic-rounding bits are those of the whole-weight step, so sharded runs can match a
     single process bit for bit. Without it the band would draw other bits."""
-    from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
     from forge_hf.core.state import ForgeState
     from forge_hf.kernels.dispatch import resolve_backend
+    from forge_hf.kernels.runtime.launch_args import pack_args
 
     gen = torch.Generator().manual_seed(9)
     x, dy = exact_inputs((40, 96), 150, dtype=torch.bfloat16, device=device, generator=gen)

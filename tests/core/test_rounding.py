@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_hf.core.launch_args import args_words
 from forge_hf.core.rounding import M32, TORCH_HASH, layer_salt, random_bits
 from forge_hf.core.rules import NUM_SCALARS
 from forge_hf.kernels.reference import round_to_bf16
+from forge_hf.kernels.runtime.launch_args import args_words
 from forge_hf.kernels.triton.bf16_bits import element_hash, slot_bits
 
 # ------------------------------------------- the hash written out again, in plain Python

@@ -14,11 +14,11 @@ from transformers.pytorch_utils import Conv1D
 from forge_hf import ForgeLinear
 from forge_hf.core import codecs
 from forge_hf.core.codecs import BLOCK, QuantisedSlot
-from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
 from forge_hf.kernels.dispatch import launch_fused_update
 from forge_hf.kernels.reference import reference_fused_update
+from forge_hf.kernels.runtime.launch_args import pack_args
 from forge_hf.nn.conv1d import ForgeConv1D
 from forge_hf.optim.optimizer import ForgeOptimizer
 from forge_hf.optim.patch import patch_model

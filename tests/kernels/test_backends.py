@@ -68,7 +68,7 @@ def test_direct_launch_key_follows_what_triton_specialises_on():
     """After its first launch the compiled kernel is reused for arguments Triton would
     compile the same way (dtype, 16-byte alignment, integers equal to 1 or multiples of
     16), and only for those."""
-    from forge_hf.kernels.launch.compiled import _specialisation
+    from forge_hf.kernels.runtime.compiled import _specialisation
 
     a = torch.zeros(64)
     key = _specialisation([a, 32, 5])

@@ -1,4 +1,4 @@
-"""Compiled kernels launched through Triton's C launcher directly (kernels/launch/direct_launch.py)
+"""Compiled kernels launched through Triton's C launcher directly (kernels/runtime/direct_launch.py)
 step the weights with the same bits as Triton's own launch path, and give way to it while a
 launch hook (a profiler) is registered. On the GPU: the persistent kernel, whose weight and
 state descriptors are encoded once and whose tokens' are kept by address, over steps whose
@@ -8,10 +8,10 @@ Triton kernel of a bound launch."""
 import pytest
 import torch
 
-from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
-from forge_hf.kernels.launch.direct_launch import DirectLauncher, direct_launcher
+from forge_hf.kernels.runtime.direct_launch import DirectLauncher, direct_launcher
+from forge_hf.kernels.runtime.launch_args import pack_args
 from tests.helpers import adamw_bf16_layer, exact_inputs
 
 BF16 = torch.bfloat16

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_hf.core.launch_args import pack_args
-from forge_hf.kernels import dispatch
+from forge_hf.kernels import dispatch, select
 from forge_hf.kernels.dispatch import (
     BACKENDS,
     PathTimes,
@@ -21,6 +20,7 @@ from forge_hf.kernels.dispatch import (
     resolve_backend,
 )
 from forge_hf.kernels.reference import reference_fused_update
+from forge_hf.kernels.runtime.launch_args import pack_args
 from tests.helpers import adamw_bf16_layer, exact_inputs, interpreter_only
 
 CPU = torch.device("cpu")
@@ -138,8 +138,9 @@ class _Recorder:
 def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monkeypatch):
     """On a GPU the Gluon kernels can run (stood in for on CPU): a bf16 weight whose sides are
     multiples of 64 goes to the persistent kernel while its tokens suit it, to the Triton
-    kernel when they do not; from wide_launch.MIN_TOKENS tokens, one whose sides are multiples
+    kernel when they do not; from select.MANY_TOKENS tokens, one whose sides are multiples
     of 128 goes to the wide kernel; another weight, or FORGE_HF_KERNEL, keeps them off."""
+    from forge_hf.kernels import select
     from forge_hf.kernels.launch import persistent_launch, wide_launch
     from forge_hf.kernels.triton import fused_update
 
@@ -156,14 +157,7 @@ def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monk
 
     monkeypatch.setattr(persistent_launch, "PersistentLaunch", lambda *args: Gluon("persistent", log))
     monkeypatch.setattr(wide_launch, "WideLaunch", lambda *args: Gluon("wide", log))
-    cpu_says = persistent_launch.device_unsupported
-
-    def hopper_says(device):  # the device check as on a Hopper GPU: only the environment switch refuses
-        reason = cpu_says(device)
-        return reason if reason == "FORGE_HF_KERNEL=triton" else None
-
-    monkeypatch.setattr(persistent_launch, "device_unsupported", hopper_says)
-    monkeypatch.setattr(wide_launch, "device_unsupported", hopper_says)
+    monkeypatch.setattr(select, "device_unsupported", lambda device: None)  # as on a Hopper GPU
 
     def launches(w, state, x_dtype, tokens=64):
         launch = bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
@@ -171,7 +165,7 @@ def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monk
         launch(x, dy, torch.zeros(15, dtype=torch.int32), torch.zeros(2))
         return log.pop()
 
-    many = wide_launch.MIN_TOKENS
+    many = select.MANY_TOKENS
     w, state, *_ = _layer("bf16", 128, 192)
     assert launches(w, state, torch.bfloat16) == "persistent"
     assert launches(w, state, torch.float32) == "triton"  # tokens it cannot read: the same bound launch falls back
@@ -195,12 +189,14 @@ def test_each_gluon_kernel_takes_what_it_can_and_the_triton_kernel_the_rest(monk
     assert log == []
 
 
-def test_an_unknown_kernel_choice_is_refused_naming_the_choices(monkeypatch):
+# quack: a choice of earlier versions (QuACK's engine, kept at git tag quack-engine-final)
+@pytest.mark.parametrize("choice", ["gluon", "quack"])
+def test_an_unknown_kernel_choice_is_refused_naming_the_choices(choice, monkeypatch):
     w, state, *_ = _layer("bf16", 128, 256)
     before = w.clone()
-    monkeypatch.setenv("FORGE_HF_KERNEL", "gluon")
-    choices = r"\['auto', 'persistent', 'triton', 'quack'\]"
-    with pytest.raises(ValueError, match=r"FORGE_HF_KERNEL='gluon': choose one of " + choices):
+    monkeypatch.setenv("FORGE_HF_KERNEL", choice)
+    choices = r"\['auto', 'persistent', 'triton'\]"
+    with pytest.raises(ValueError, match=rf"FORGE_HF_KERNEL='{choice}': choose one of " + choices):
         bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
     assert torch.equal(w, before)
 
@@ -233,18 +229,18 @@ def test_a_bound_launch_on_hopper_gives_the_triton_kernels_bits(kernel, n, k, to
 
 @interpreter_only
 def test_wgrad_paths_and_an_unknown_one(monkeypatch):
-    assert dispatch.WGRAD_PATHS == ("auto", "fused", "two_pass")
+    assert select.WGRAD_PATHS == ("auto", "fused", "two_pass")
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
-    assert dispatch.wgrad_mode() == "auto"
+    assert select.wgrad_setting() == "auto"
     monkeypatch.setenv("FORGE_HF_WGRAD", "")
-    assert dispatch.wgrad_mode() == "auto"
-    for mode in dispatch.WGRAD_PATHS:
+    assert select.wgrad_setting() == "auto"
+    for mode in select.WGRAD_PATHS:
         monkeypatch.setenv("FORGE_HF_WGRAD", mode)
-        assert dispatch.wgrad_mode() == mode
+        assert select.wgrad_setting() == mode
     monkeypatch.setenv("FORGE_HF_WGRAD", "cublas")
     message = r"FORGE_HF_WGRAD='cublas': choose one of \['auto', 'fused', 'two_pass'\]"
     with pytest.raises(ValueError, match=message):
-        dispatch.wgrad_mode()
+        select.wgrad_setting()
     w, state, *_ = _layer()
     with pytest.raises(ValueError, match=message):  # when a layer's launch is bound, before any step
         bind_fused_update("triton", w, state.kernel_slots(), torch.zeros(2), "adamw", True)
@@ -303,7 +299,7 @@ def test_auto_times_both_paths_on_copies_once_per_shape(times, path, monkeypatch
     faster; later launches, and other layers of that shape, reuse the decision."""
 
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
-    monkeypatch.setattr(dispatch, "_unmeasurable", lambda x, dy, device: None)
+    monkeypatch.setattr(dispatch, "untimed_reason", lambda x, dy, device: None)
     formed_for, form = [], dispatch.weight_gradient
 
     def noted(x, dy, weight, scratch):
@@ -342,7 +338,7 @@ def test_eager_steps_count_the_host_time_of_the_launches_captured_steps_do_not(m
     host longer than the fused kernel's one: eager steps, where the GPU waits for the host,
     take the fused path; captured steps, which launch nothing, the two-pass path."""
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
-    monkeypatch.setattr(dispatch, "_unmeasurable", lambda x, dy, device: None)
+    monkeypatch.setattr(dispatch, "untimed_reason", lambda x, dy, device: None)
     w, state, rule, group = _layer()
     monkeypatch.setattr(dispatch, "_time_paths_ms", _FakeTimer(
         dict(fused=PathTimes(0.03, 0.05), two_pass=PathTimes(0.02, 0.10)), w))
@@ -369,7 +365,7 @@ def test_eager_steps_count_the_host_time_of_the_launches_captured_steps_do_not(m
 @interpreter_only
 def test_a_capture_before_any_timing_runs_fused_and_decides_later(monkeypatch, fresh_wgrad_choices):
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
-    monkeypatch.setattr(dispatch, "_unmeasurable", lambda x, dy, device: None)
+    monkeypatch.setattr(dispatch, "untimed_reason", lambda x, dy, device: None)
     capturing = [True]
     monkeypatch.setattr(dispatch, "is_capturing", lambda device: capturing[0])
     w, state, rule, group = _layer()
@@ -395,10 +391,10 @@ def test_the_reference_backend_has_one_path(monkeypatch, fresh_wgrad_choices):
 
 
 def test_auto_keeps_the_fused_path_below_its_token_threshold_without_timing():
-    """Below AUTO_MIN_TOKENS the fused kernel wins (kernel_microbench --paths): auto then
+    """Below MANY_TOKENS the fused kernel wins (kernel_microbench --paths): auto then
     neither times nor copies the layer; from it on, a GPU times both paths."""
     cuda = torch.device("cuda")
-    small = torch.zeros(dispatch.AUTO_MIN_TOKENS - 1, 8, dtype=torch.bfloat16)
-    large = torch.zeros(dispatch.AUTO_MIN_TOKENS, 8, dtype=torch.bfloat16)
-    assert "below 1024 tokens" in dispatch._unmeasurable(small, small, cuda)
-    assert dispatch._unmeasurable(large, large, cuda) is None
+    small = torch.zeros(select.MANY_TOKENS - 1, 8, dtype=torch.bfloat16)
+    large = torch.zeros(select.MANY_TOKENS, 8, dtype=torch.bfloat16)
+    assert "below 1024 tokens" in select.untimed_reason(small, small, cuda)
+    assert select.untimed_reason(large, large, cuda) is None

@@ -9,9 +9,9 @@ import weakref
 import pytest
 import torch
 
-from forge_hf.core.launch_args import pack_args
 from forge_hf.kernels.dispatch import launch_rule_step
 from forge_hf.kernels.launch.fused_update_launch import BoundLaunch
+from forge_hf.kernels.runtime.launch_args import pack_args
 from forge_hf.kernels.triton.fused_update import default_config, fused_launch_arguments, launch_fused_kernel
 from tests.helpers import adamw_bf16_layer, exact_inputs
 

@@ -38,9 +38,9 @@ def compile_all() -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
     from forge_hf.core.state import ForgeState
+    from forge_hf.kernels.runtime.launch_args import pack_args
     from forge_hf.kernels.triton.fused_update import (
         compile_options,
         default_config,
@@ -129,11 +129,11 @@ def compile_persistent() -> dict:
     bf16, int8 and al8 state, each rule (its own slots), stochastic and nearest rounding."""
     import torch
 
-    from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
     from forge_hf.core.state import ForgeState
     from forge_hf.kernels.gluon.persistent_update import persistent_update_kernel
     from forge_hf.kernels.launch.persistent_launch import layout_unsupported, persistent_launch_arguments
+    from forge_hf.kernels.runtime.launch_args import pack_args
     from forge_hf.kernels.triton.fused_update import RULE_UPDATES
 
     results = {}
@@ -182,11 +182,11 @@ def compile_wide() -> dict:
     al8 state, each rule, stochastic rounding (and AdamW's nearest); no registers spilled."""
     import torch
 
-    from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
     from forge_hf.core.state import ForgeState
     from forge_hf.kernels.gluon.wide_update import wide_update_kernel
     from forge_hf.kernels.launch.wide_launch import wide_launch_arguments
+    from forge_hf.kernels.runtime.launch_args import pack_args
     from forge_hf.kernels.triton.fused_update import RULE_UPDATES
 
     results = {}

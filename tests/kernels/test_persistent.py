@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from forge_hf.core import codecs
-from forge_hf.core.launch_args import pack_args
+from forge_hf.core.codecs import storage_kinds
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
 from forge_hf.kernels.launch.persistent_launch import layout_unsupported, persistent_unsupported
+from forge_hf.kernels.runtime.launch_args import pack_args
+from forge_hf.kernels.select import choose
 
 BF16 = torch.bfloat16
 
@@ -56,9 +58,11 @@ def test_layout_checks_name_what_stands_in_the_way():
 
 def test_cpu_tensors_and_the_environment_switch_keep_the_triton_kernel(monkeypatch):
     x, dy, w, state, *_ = _tensors()
-    assert "Hopper" in persistent_unsupported(x, dy, w, state.kernel_slots())
+    slots = state.kernel_slots()
+    assert "Hopper" in persistent_unsupported(x, dy, w, slots)
+    assert choose(w, slots, storage_kinds(slots), x.shape[0])[0] == "triton"
     monkeypatch.setenv("FORGE_HF_KERNEL", "triton")
-    assert persistent_unsupported(x, dy, w, state.kernel_slots()) == "FORGE_HF_KERNEL=triton"
+    assert choose(w, slots, storage_kinds(slots), x.shape[0]) == ("triton", "FORGE_HF_KERNEL=triton")
 
 
 def test_epilogue_buffers_skip_absent_slots():

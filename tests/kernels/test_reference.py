@@ -6,9 +6,9 @@ non-fused tensors."""
 import pytest
 import torch
 
-from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.kernels.reference import reference_fused_update, reference_rule_rows, round_to_bf16
+from forge_hf.kernels.runtime.launch_args import pack_args
 from tests.helpers import assert_close_rel, exact_gradient, exact_inputs
 
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)

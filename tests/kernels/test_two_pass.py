@@ -14,7 +14,7 @@ from transformers.pytorch_utils import Conv1D
 from forge_hf import ForgeLinear
 from forge_hf.core.codecs import QuantisedSlot
 from forge_hf.kernels import dispatch, two_pass
-from forge_hf.kernels.dispatch import WGRAD_ENV
+from forge_hf.kernels.select import WGRAD_ENV, faster_path
 from forge_hf.kernels.two_pass import GradientScratch, scratch_for
 from forge_hf.nn.conv1d import ForgeConv1D
 from tests.helpers import RTOL_FP32, assert_close_rel, bf16_ulps_apart, exact_gradient, exact_inputs, interpreter_only
@@ -318,8 +318,8 @@ def test_auto_measures_once_per_shape_and_steps_the_weight_once_on_gpu(monkeypat
     [(key, choice)] = dispatch.wgrad_choices().items()
     assert (key.out_features, key.in_features, key.tokens) == (1024, 2048, 4096)
     assert choice.reason == "measured" and min(*choice.fused, *choice.two_pass) > 0
-    assert choice.path == dispatch.faster_path(choice.fused.eager_ms(), choice.two_pass.eager_ms())
-    assert choice.graph_path == dispatch.faster_path(choice.fused.gpu_ms, choice.two_pass.gpu_ms)
+    assert choice.path == faster_path(choice.fused.eager_ms(), choice.two_pass.eager_ms())
+    assert choice.graph_path == faster_path(choice.fused.gpu_ms, choice.two_pass.gpu_ms)
     print(dispatch.describe_choice(key, choice))
 
 
@@ -328,9 +328,9 @@ def test_auto_measures_once_per_shape_and_steps_the_weight_once_on_gpu(monkeypat
 def test_a_captured_two_pass_step_replays_the_eager_steps_bits(monkeypatch):
     """The scratch buffer grown by an eager step serves a CUDA graph's capture; replays
     give the bits eager steps give."""
-    from forge_hf.core.launch_args import pack_args
     from forge_hf.core.rules import get_rule, make_group
     from forge_hf.core.state import ForgeState
+    from forge_hf.kernels.runtime.launch_args import pack_args
 
     monkeypatch.setenv(WGRAD_ENV, "two_pass")
     rule = get_rule("adamw")

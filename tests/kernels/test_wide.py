@@ -10,7 +10,9 @@ token counts that are not multiples of the chunk."""
 import pytest
 import torch
 
+from forge_hf.core.codecs import storage_kinds
 from forge_hf.kernels.launch.wide_launch import wide_unsupported
+from forge_hf.kernels.select import choose
 from tests.kernels.test_persistent import RULES, _hopper, _run, _tensors, assert_same_steps
 
 BF16 = torch.bfloat16
@@ -38,9 +40,10 @@ def test_what_the_wide_kernel_takes_and_what_stands_in_the_way(monkeypatch):
 
 def test_cpu_tensors_and_the_environment_switch_keep_the_other_kernels(monkeypatch):
     x, dy, w, state, *_ = _tensors(256, 384, 100)
-    assert "Hopper" in wide_unsupported(x, dy, w, state.kernel_slots())
+    slots = state.kernel_slots()
+    assert "Hopper" in wide_unsupported(x, dy, w, slots)
     monkeypatch.setenv("FORGE_HF_KERNEL", "triton")
-    assert wide_unsupported(x, dy, w, state.kernel_slots()) == "FORGE_HF_KERNEL=triton"
+    assert choose(w, slots, storage_kinds(slots), 2048) == ("triton", "FORGE_HF_KERNEL=triton")
 
 
 # ------------------------------------------------------------------------- on a GPU

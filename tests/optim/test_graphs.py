@@ -1,6 +1,6 @@
 """GraphedStep: a training step replayed as one CUDA graph computes what the eager step
 computes. On CPU: the input checks (the argument table's host work is tested in
-tests/core/test_launch_args.py); on a GPU: graphed against eager training, bit for bit."""
+tests/kernels/test_launch_args.py); on a GPU: graphed against eager training, bit for bit."""
 
 from types import SimpleNamespace
 
@@ -11,8 +11,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import forge_hf
-from forge_hf.core.launch_args import pack_args
 from forge_hf.core.rules import get_rule, make_group
+from forge_hf.kernels.runtime.launch_args import pack_args
 from forge_hf.nn.loss import causal_lm_loss
 from forge_hf.optim.graphs import CapturedAddresses, GraphedStep, check_batch
 from forge_hf.optim.optimizer import fused_layers

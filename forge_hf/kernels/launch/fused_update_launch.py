@@ -5,7 +5,7 @@ filling in its tokens (or gradient), arguments and statistics (docs/kernels.md).
 
 from __future__ import annotations
 
-from .compiled import int_spec, launch_compiled, tensor_spec
+from ..runtime.compiled import int_spec, launch_compiled, tensor_spec
 
 # Positions in fused_launch_arguments' list: x, dy, the fixed weight/state/metadata
 # pointers, args, stats, T, then (N, K, KB) fixed, the four token strides, the two weight strides.

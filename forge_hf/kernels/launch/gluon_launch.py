@@ -1,5 +1,5 @@
 """What both Gluon kernels (gluon/persistent_update.py, gluon/wide_update.py) need of a
-device, a weight and its tokens (the FORGE_HF_KERNEL switch among it), and one layer's
+device, a weight and its tokens (select.py chooses between them), and one layer's
 launches of either (LayerLaunch): the weight's and states' arguments bound once, the tokens'
 descriptors kept by address (docs/kernels.md). ``weight`` and ``slots`` must stay where they
 are (the caller rebinds when a state is allocated or loaded).
@@ -8,29 +8,16 @@ are (the caller rebinds when a state is allocated or loaded).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ...core import codecs
-from ...core.codecs import QuantisedSlot, storage_kind
-from .compiled import int_spec, launch_compiled, tensor_spec
-from .direct_launch import DirectLauncher
+from ...core.codecs import QuantisedSlot, storage_kinds
+from ..runtime.compiled import int_spec, launch_compiled, tensor_spec
+from ..runtime.direct_launch import DirectLauncher
 
-KERNEL_ENV = "FORGE_HF_KERNEL"
-KERNEL_CHOICES = ("auto", "persistent", "triton", "quack")
 KINDS = (codecs.NONE, codecs.BF16, codecs.ABSMAX8, codecs.ABSMAX8_FLOORED, codecs.AL8)  # fp32 states: not here
 _TOKEN_PLACES = 16  # token descriptors a layer keeps encoded (a few places a step; eval and train differ)
-
-
-def kernel_choice() -> str:
-    """FORGE_HF_KERNEL: ``auto`` (default, also when empty), ``persistent`` (never the wide
-    kernel), ``triton`` (only triton/fused_update.py's kernel) or ``quack`` (QuACK's engine,
-    launch/quack_launch.py, wherever it applies)."""
-    choice = os.environ.get(KERNEL_ENV) or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNEL_ENV}={choice!r}: choose one of {list(KERNEL_CHOICES)}")
-    return choice
 
 
 def aligned(t: torch.Tensor) -> bool:
@@ -49,18 +36,14 @@ def tokens_unsupported(x, dy) -> str | None:
 
 def device_unsupported(device: torch.device) -> str | None:
     """Why the Gluon kernels cannot run on ``device`` (None: they can)."""
-    if kernel_choice() == "triton":
-        return f"{KERNEL_ENV}=triton"
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return "not a Hopper GPU (wgmma and TMA as compiled for sm_90)"
     return None
 
 
-def weight_layout_unsupported(weight, slots, multiple: int, kinds: tuple = KINDS,
-                              other_kind: str = "a state slot is neither bf16, int8, al8 nor absent") -> str | None:
-    """Why a weight and its state slots do not suit a kernel whose tiles are ``multiple`` wide
-    and which stores ``kinds`` of state (None: they do); ``other_kind``: what a slot of another
-    kind is told."""
+def weight_layout_unsupported(weight, slots, kinds, multiple: int) -> str | None:
+    """Why a weight and its state slots (of storage ``kinds``) do not suit a Gluon kernel whose
+    tiles are ``multiple`` wide (None: they do)."""
     if weight.dtype != torch.bfloat16:
         return "the weight must be bf16"
     n, k = weight.shape
@@ -69,9 +52,9 @@ def weight_layout_unsupported(weight, slots, multiple: int, kinds: tuple = KINDS
                 f"multiples of {multiple}")
     if weight.stride() != (k, 1) or not aligned(weight):
         return "weight is not row-major and 16-byte aligned"
-    for slot in slots:
-        if storage_kind(slot) not in kinds:
-            return other_kind
+    for slot, kind in zip(slots, kinds):
+        if kind not in KINDS:
+            return "a state slot is neither bf16, int8, al8 nor absent"
         codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
         if codes is not None and (codes.stride() != weight.stride() or not aligned(codes)):
             return "a state slot is not laid out as the weight"
@@ -90,7 +73,7 @@ def stored_tensors(weight, slots, stats) -> tuple[list, list, list]:
     stored = [bits] + [bits if s is None else s.codes.view(torch.int8) if isinstance(s, QuantisedSlot)
                        else s.view(torch.int16) for s in slots]
     metas = [s.meta if isinstance(s, QuantisedSlot) else stats for s in slots]
-    return stored, metas, [storage_kind(s) for s in slots]
+    return stored, metas, storage_kinds(slots)
 
 
 @functools.cache

@@ -1,7 +1,5 @@
-"""When and how the persistent Gluon kernel (gluon/persistent_update.py) runs a layer's step:
-which layers and tokens it takes, its launch arguments, its grid. ``FORGE_HF_KERNEL=triton``
-keeps every layer on triton/fused_update.py's kernel; ``FORGE_HF_KERNEL=persistent`` keeps
-layers off the wide kernel.
+"""How the persistent Gluon kernel (gluon/persistent_update.py) runs a layer's step: which
+layers and tokens it can take, its launch arguments, its grid. When it runs: select.py.
 """
 
 from __future__ import annotations
@@ -9,8 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 
+from ...core.codecs import storage_kinds
 from ..gluon.persistent_update import BLOCK_SIZE, persistent_update_kernel, tensor_descriptor
-from .compiled import launch_compiled
+from ..runtime.compiled import launch_compiled
 from .gluon_launch import (
     LayerLaunch,
     device_unsupported,
@@ -31,12 +30,12 @@ def persistent_unsupported(x, dy, weight, slots) -> str | None:
 
 def layout_unsupported(x, dy, weight, slots) -> str | None:
     """Why these tensors' dtypes and layouts do not suit the kernel (None: they do)."""
-    return weight_unsupported(weight, slots) or tokens_unsupported(x, dy)
+    return weight_unsupported(weight, slots, storage_kinds(slots)) or tokens_unsupported(x, dy)
 
 
-def weight_unsupported(weight, slots) -> str | None:
-    """Why a weight and its state slots do not suit the kernel (None: they do)."""
-    return weight_layout_unsupported(weight, slots, BLOCK_SIZE)
+def weight_unsupported(weight, slots, kinds) -> str | None:
+    """Why a weight and its state slots (of storage ``kinds``) do not suit the kernel (None: they do)."""
+    return weight_layout_unsupported(weight, slots, kinds, BLOCK_SIZE)
 
 
 def persistent_launch_arguments(x, dy, weight, slots, args, stats, rule_update, stochastic, ablate: int = 0):

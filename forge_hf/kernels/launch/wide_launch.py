@@ -1,6 +1,6 @@
-"""When and how the wide Gluon kernel (gluon/wide_update.py) runs a layer's step: a bf16 weight
-with bf16, 8-bit or absent states, both dimensions multiples of 128, on a Hopper GPU, from
-MIN_TOKENS tokens a step (below, the persistent kernel is the faster)."""
+"""How the wide Gluon kernel (gluon/wide_update.py) runs a layer's step: a bf16 weight with
+bf16, 8-bit or absent states, both dimensions multiples of 128, on a Hopper GPU. When it runs
+(from select.MANY_TOKENS tokens a step): select.py."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import functools
 import torch
 import triton
 
+from ...core.codecs import storage_kinds
 from ..gluon.wide_update import CHUNK_SIZE, TILE_SIZE, wide_update_kernel
-from .compiled import launch_compiled
+from ..runtime.compiled import launch_compiled
 from .gluon_launch import (
-    KERNEL_ENV,
     LayerLaunch,
     device_unsupported,
-    kernel_choice,
     multiprocessors,
     stored_tensors,
     tokens_unsupported,
@@ -24,21 +23,18 @@ from .gluon_launch import (
 
 NUM_BUF = 4  # ring slots of 32 KB; with the 64 KB staging buffer, 192 of the 227 KB
 MMA_REGS, PRODUCER_REGS, MAXNREG = 168, 40, 128  # 16 warps: 8 epilogue, 4 MMA, a producer (a warpgroup)
-# From this many tokens a step the fused path takes the wide kernel where it applies
-# (kernel_microbench --kernel wide against the persistent kernel, Llama-3.1-8B's shapes)
-MIN_TOKENS = 1024
 
 
 def wide_unsupported(x, dy, weight, slots) -> str | None:
     """Why the wide kernel cannot take this step (None: it can)."""
-    return wide_layer_unsupported(weight, slots) or tokens_unsupported(x, dy)
+    return (device_unsupported(weight.device) or wide_layer_unsupported(weight, slots, storage_kinds(slots))
+            or tokens_unsupported(x, dy))
 
 
-def wide_layer_unsupported(weight, slots) -> str | None:
-    """Why the wide kernel cannot step this layer, whatever its tokens (None: it can)."""
-    if kernel_choice() == "persistent":
-        return f"{KERNEL_ENV}=persistent"
-    return device_unsupported(weight.device) or weight_layout_unsupported(weight, slots, TILE_SIZE)
+def wide_layer_unsupported(weight, slots, kinds) -> str | None:
+    """Why a weight and its state slots (of storage ``kinds``) do not suit the kernel, whatever
+    its tokens (None: they do)."""
+    return weight_layout_unsupported(weight, slots, kinds, TILE_SIZE)
 
 
 @functools.cache

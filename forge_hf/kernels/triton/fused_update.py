@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from ...core import codecs
-from ...core.codecs import QuantisedSlot, storage_kind
+from ...core.codecs import QuantisedSlot, storage_kinds
 from ...core.rules import RULES, bind_update
-from ..launch.compiled import launch_compiled
+from ..runtime.compiled import launch_compiled
 from .bf16_bits import decode_value, element_hash, load_tile, store_value
 from .state_tiles import NONE, block_index, decode_state, load_meta, load_state_raw, store_state
 from .tile_step import finite_sumsq, load_step_args
@@ -197,7 +197,7 @@ def fused_launch_arguments(
     N, K = weight.shape
     T = 0 if grad_given else x.shape[0]  # grad_given: x is the (N, K) gradient, dy unused
     BN, BK, BT = blocks or default_config(N, K, T)["blocks"]
-    kinds = [storage_kind(s) for s in slots]
+    kinds = storage_kinds(slots)
     quantised = any(isinstance(s, QuantisedSlot) for s in slots)
     if quantised and BK % codecs.BLOCK:
         raise ValueError(f"BLOCK_K={BK} splits the {codecs.BLOCK}-element blocks of 8-bit states: "

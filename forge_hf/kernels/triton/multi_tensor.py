@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from ...core import codecs
-from ...core.codecs import storage_kind
-from ...core.pinned_ring import PinnedRing, StreamOrder
-from ..launch.compiled import launch_compiled
+from ...core.codecs import storage_kinds
+from ..runtime.compiled import launch_compiled
+from ..runtime.pinned_ring import PinnedRing, StreamOrder
 from .bf16_bits import decode_value, element_hash, store_value
 from .fused_update import INTERPRETER, RULE_UPDATES, compile_options
 from .state_tiles import FP32, NONE, decode_state, store_state
@@ -108,7 +108,7 @@ def batch_kind(weight: torch.Tensor, grad: torch.Tensor, slots: list) -> tuple |
             or weight.numel() > MAX_ELEMENTS or weight.dtype not in _W_KINDS
             or grad.dtype not in (torch.float32, torch.bfloat16)):
         return None
-    kinds = tuple(storage_kind(s) for s in slots)
+    kinds = storage_kinds(slots)
     if any(k not in _PLAIN_KINDS for k in kinds):
         return None
     return (weight.device, _W_KINDS[weight.dtype], grad.dtype == torch.bfloat16, kinds)

@@ -1,5 +1,5 @@
 """Triton: what both fused kernels do the same way at each tile's step: read the step's
-arguments (core/launch_args.py packs them) and test a gradient tile for finiteness.
+arguments (runtime/launch_args.py packs them) and test a gradient tile for finiteness.
 Gluon kernels call these jit functions as they are."""
 
 import triton
@@ -13,7 +13,7 @@ def _scalar(args_ptr, i: tl.constexpr):
 
 @triton.jit
 def load_step_args(args_ptr):
-    """The step's arguments (core/launch_args.py): the rule's 12 constants as a tuple, the step,
+    """The step's arguments (runtime/launch_args.py): the rule's 12 constants as a tuple, the step,
     the rounding salt and the index of the weight's first row in the whole weight."""
     c = (_scalar(args_ptr, 0), _scalar(args_ptr, 1), _scalar(args_ptr, 2), _scalar(args_ptr, 3),
          _scalar(args_ptr, 4), _scalar(args_ptr, 5), _scalar(args_ptr, 6), _scalar(args_ptr, 7),

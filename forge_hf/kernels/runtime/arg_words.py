@@ -9,7 +9,7 @@ import struct
 
 import torch
 
-from .rules import NUM_SCALARS
+from ...core.rules import NUM_SCALARS
 
 ARGS_LEN = NUM_SCALARS + 3  # constants, step, salt, first row
 STEP_WORDS = NUM_SCALARS + 1  # the words a step changes: constants and step count

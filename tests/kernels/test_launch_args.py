@@ -1,4 +1,4 @@
-"""The kernels' per-step arguments (forge_hf/core/launch_args.py): the argument words (fp32
+"""The kernels' per-step arguments (forge_hf/kernels/runtime/launch_args.py): the argument words (fp32
 bit patterns of the rule's constants, then step, salt and first row as int32), the eager
 arguments that advance a state by one step, and the table a captured step records and
 refreshes before every replay."""
@@ -11,10 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from forge_hf.core.launch_args import ARGS_LEN, ArgsTable, args_words, next_launch_args, pack_args, release_held_args
 from forge_hf.core.rules import NUM_SCALARS, get_rule, make_group
 from forge_hf.core.state import ForgeState
-from forge_hf.core.step_rows import StepRows, rows_for
+from forge_hf.kernels.runtime.launch_args import (
+    ARGS_LEN,
+    ArgsTable,
+    args_words,
+    next_launch_args,
+    pack_args,
+    release_held_args,
+)
+from forge_hf.kernels.runtime.step_rows import StepRows, rows_for
 
 SCALARS = [1e-3, -0.0, 0.1, 1 / 3, 3.0e38, -1.5, 2.0**-130, float("inf"), 0.9, 0.999, 1e-8, -7.0]
 
