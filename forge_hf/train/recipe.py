@@ -324,8 +324,14 @@ def check_recipe(recipe: Recipe) -> None:
              "to read the files, or remove data_files")
 
     if t.max_steps <= 0:
-        fail(f"max_steps={t.max_steps}: packed blocks are streamed and have no length, so the run "
+        fail(f"max_steps={t.max_steps}: the packed blocks repeat the rows pass after pass, so the run "
              "length must be given as max_steps")
+    if t.train_sampling_strategy not in ("random", "sequential"):
+        fail(f"train_sampling_strategy={t.train_sampling_strategy!r}: the blocks all hold block_size tokens and "
+             "come in the rows' seeded order (shuffle, data_seed): remove the key")
+    # The order is the rows' (data.py's seeded shuffle): the Trainer reads the run's blocks in
+    # turn, so a resume skips to the same block whatever max_steps or the pass
+    t.train_sampling_strategy = "sequential"
     if t.eval_strategy != "no" and d.eval_rows == 0:
         fail(f"eval_strategy={_name(t.eval_strategy)!r} needs a held-out slice: set eval_rows > 0, "
              "or eval_strategy: 'no'")

@@ -84,6 +84,7 @@ def test_smoke_recipe_runs_from_any_directory(tmp_path, monkeypatch):
     recipe = load_recipe(RECIPES_DIR / "smoke.yaml")
     assert Path(recipe.model.model_config).is_dir()
     assert all(Path(f).is_file() for f in recipe.data.data_files)
+    assert recipe.training.train_sampling_strategy == "sequential"  # the blocks in the rows' seeded order
 
 
 def test_unknown_key(tmp_path):

@@ -1,6 +1,7 @@
 """The smoke recipe end to end, as a user runs it: `accelerate launch -m forge_hf.train`
-and the `forge-hf train` console script (also resuming, after a run killed in the middle of
-a save), each in a subprocess; what a run prints and leaves in output_dir."""
+and the `forge-hf train` console script (also resuming, past the data's end and after a run
+killed in the middle of a save), each in a subprocess; what a run prints and leaves in
+output_dir."""
 
 import json
 import os
@@ -47,9 +48,10 @@ def _run(command, tmp_path, timeout=300, returncode=0, **env):
 
 def _check_output_dir(out: Path, steps: int):
     summary = json.loads((out / "forge_summary.json").read_text())
+    tokens_per_step = 4 * 128  # batch 4 x block 128, every block full
     assert summary["steps"] == steps
-    assert summary["tokens"] == steps * 4 * 128  # batch 4 x block 128, every block full
-    assert summary["tokens_per_second"] == pytest.approx(summary["steps_per_second"] * 4 * 128)
+    assert summary["tokens"] == steps * tokens_per_step
+    assert summary["tokens_per_second"] == pytest.approx(summary["steps_per_second"] * tokens_per_step)
     model = AutoModelForCausalLM.from_pretrained(out)
     # every linear is fused; fp32 weights: 4 bytes of gradient each, AdamW's two fp32 moments
     # as large as forge's fp32 states, so the saving is the gradients alone
@@ -88,11 +90,20 @@ def test_smoke_recipe_under_accelerate_launch(tmp_path):
     assert all(e["forge_nonfinite_tiles"] == 0 for e in history if "loss" in e)
 
 
+def _logged_training(out: Path) -> list[dict]:
+    """The training logs, less what depends on the time."""
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [{k: v for k, v in e.items() if "per_second" not in k and k != "train_runtime"}
+            for e in history if "loss" in e]
+
+
 @pytest.mark.slow
-def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
+def test_smoke_recipe_through_the_console_script_and_resumed_past_the_datas_end(tmp_path):
     out = tmp_path / "console"
+    # 60 training rows pack into 25 blocks, 6.25 steps of 4: checkpoint-10 lies in the second pass
+    # over the data, and a step spans each pass's end
     command = [_script("forge-hf"), "train", str(SMOKE), "--max_steps", "20", "--eval_strategy", "no",
-               "--save_steps", "10"]
+               "--save_steps", "10", "--eval_rows", "340"]
     _run([*command, "--output_dir", str(out)], tmp_path)
     summary = _check_output_dir(out, steps=20)
     assert summary["last_loss"] < summary["first_loss"], summary
@@ -109,8 +120,10 @@ def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
     assert summary["tokens_per_second"] == pytest.approx(summary["tokens_this_run"] / summary["train_seconds"])
     assert summary["steps_per_second"] == pytest.approx(10 / summary["train_seconds"])
     assert "tokens      10,240, 5,120 after resuming (" in done.stdout
+    # the same run, bit for bit: the same blocks after the resume, in the second pass as in the first
+    assert _logged_training(resumed) == _logged_training(out)
     straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
-    assert all(torch.equal(straight[k], again[k]) for k in straight)  # the same run, bit for bit
+    assert all(torch.equal(straight[k], again[k]) for k in straight)
 
 
 @pytest.mark.slow
