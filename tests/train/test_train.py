@@ -1,9 +1,10 @@
 """The smoke recipe end to end, as a user runs it: `accelerate launch -m forge_hf.train`
 and the `forge-hf train` console script (also resuming, past the data's end and after a run
 killed in the middle of a save), each in a subprocess; what a run prints and leaves in
-output_dir."""
+output_dir. Resuming a user's stream that ended and began again warns."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -18,10 +19,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge_hf.integrations.checkpoints import check_checkpoint
+from forge_hf.integrations.trainer import ForgeTrainer
 from forge_hf.train import cli
 from forge_hf.train import run as train
 from forge_hf.train.report import print_summary
 from tests.helpers import ROOT, WORKERS
+from tests.integrations.test_trainer import dataset, training_args
+from tests.optim.test_optimizer import tiny_llama
 
 SMOKE = ROOT / "recipes" / "smoke.yaml"
 
@@ -142,6 +146,32 @@ def test_a_save_killed_midway_is_skipped_when_resuming(tmp_path):
     assert (summary["resumed_from"], summary["steps_this_run"], summary["steps"]) == (str(out / "checkpoint-5"), 10, 15)
     assert check_checkpoint(unfinished) == str(unfinished)  # written again, whole, over the unfinished one
     assert json.loads((unfinished / "trainer_state.json").read_text())["global_step"] == 10
+
+
+class Passes(torch.utils.data.IterableDataset):
+    """A user's stream of the same examples each pass: endless, or ending after one pass."""
+
+    def __init__(self, examples: list[dict], endless: bool):
+        self.examples, self.endless = examples, endless
+
+    def __iter__(self):
+        yield from self.examples
+        while self.endless:
+            yield from self.examples
+
+
+@pytest.mark.parametrize("endless", [False, True], ids=["ends", "endless"])
+def test_resuming_a_stream_that_ended_and_began_again_warns(tmp_path, caplog, single_thread, endless):
+    out = tmp_path / "out"
+    data = Passes(dataset(6), endless)  # 3 steps of 2 a pass: checkpoint-5 lies in the second
+    args = training_args(out, max_steps=5, save_strategy="steps", save_steps=5)
+    ForgeTrainer(model=tiny_llama(), args=args, train_dataset=data).train()
+    with caplog.at_level(logging.WARNING):
+        ForgeTrainer(model=tiny_llama(), args=args, train_dataset=data).train(str(out / "checkpoint-5"))
+    warned = [r.getMessage() for r in caplog.records if "ended and began again" in r.getMessage()]
+    assert len(warned) == (0 if endless else 1), caplog.text
+    for fix in ("make the dataset endless", "map-style (a datasets.Dataset)"):
+        assert endless or fix in warned[0]
 
 
 def test_a_bad_recipe_stops_before_training(tmp_path, capsys):
