@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainingArguments
 
 from forge_hf.train.arguments import DataArguments
-from forge_hf.train.data import build_datasets, load_rows, pack, row_tokens, shuffle_rows, split_eval
+from forge_hf.train.data import blocks_per_step, build_datasets, load_rows, pack, row_tokens, shuffle_rows, split_eval
 
 ASSETS = Path(__file__).resolve().parents[2] / "forge_hf" / "assets" / "smoke"
 CORPUS = ASSETS / "omi2_mini.jsonl"
@@ -154,3 +154,9 @@ def test_rows_too_short_for_a_block_are_refused(tokenizer, streaming):
         train, _ = build(tokenizer, eval_rows=399, block_size=500, streaming=streaming)
         next(iter(train))  # a stream finds out when read
 
+
+def test_a_step_trains_every_micro_batch_of_every_process(monkeypatch, tmp_path):
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                             use_cpu=True, report_to="none")
+    assert blocks_per_step(args) == 4 * 3 * 2

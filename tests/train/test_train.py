@@ -50,9 +50,9 @@ def _run(command, tmp_path, timeout=300, returncode=0, **env):
     return done
 
 
-def _check_output_dir(out: Path, steps: int):
+def _check_output_dir(out: Path, steps: int, micro_batches: int = 1):
     summary = json.loads((out / "forge_summary.json").read_text())
-    tokens_per_step = 4 * 128  # batch 4 x block 128, every block full
+    tokens_per_step = micro_batches * 4 * 128  # micro-batches of 4 blocks of 128 tokens, every one full
     assert summary["steps"] == steps
     assert summary["tokens"] == steps * tokens_per_step
     assert summary["tokens_per_second"] == pytest.approx(summary["steps_per_second"] * tokens_per_step)
@@ -104,13 +104,16 @@ def _logged_training(out: Path) -> list[dict]:
 @pytest.mark.slow
 def test_smoke_recipe_through_the_console_script_and_resumed_past_the_datas_end(tmp_path):
     out = tmp_path / "console"
-    # 60 training rows pack into 25 blocks, 6.25 steps of 4: checkpoint-10 lies in the second pass
-    # over the data, and a step spans each pass's end
+    # 100 training rows pack into 42 blocks, 5.25 steps of 2 micro-batches of 4: checkpoint-10 lies in
+    # the second pass over the data, and a step spans each pass's end. The Trainer counts the tokens
+    # it trains too (num_input_tokens_seen), to check the summary's.
     command = [_script("forge-hf"), "train", str(SMOKE), "--max_steps", "20", "--eval_strategy", "no",
-               "--save_steps", "10", "--eval_rows", "340"]
+               "--save_steps", "10", "--eval_rows", "300", "--gradient_accumulation_steps", "2",
+               "--include_num_input_tokens_seen", "true"]
     _run([*command, "--output_dir", str(out)], tmp_path)
-    summary = _check_output_dir(out, steps=20)
+    summary = _check_output_dir(out, steps=20, micro_batches=2)
     assert summary["last_loss"] < summary["first_loss"], summary
+    assert summary["tokens"] == json.loads((out / "trainer_state.json").read_text())["num_input_tokens_seen"]
 
     # resume a copy that holds only checkpoint-10: `true` must find it and train steps 11-20
     resumed = tmp_path / "resumed"
@@ -120,10 +123,10 @@ def test_smoke_recipe_through_the_console_script_and_resumed_past_the_datas_end(
     summary = json.loads((resumed / "forge_summary.json").read_text())
     assert (summary["resumed_from"], summary["steps_this_run"]) == (str(resumed / "checkpoint-10"), 10)
     # the totals count every step; the rates are over this run's steps and tokens, in its time
-    assert (summary["tokens"], summary["tokens_this_run"]) == (20 * 4 * 128, 10 * 4 * 128)
+    assert (summary["tokens"], summary["tokens_this_run"]) == (20 * 8 * 128, 10 * 8 * 128)
     assert summary["tokens_per_second"] == pytest.approx(summary["tokens_this_run"] / summary["train_seconds"])
     assert summary["steps_per_second"] == pytest.approx(10 / summary["train_seconds"])
-    assert "tokens      10,240, 5,120 after resuming (" in done.stdout
+    assert "tokens      20,480, 10,240 after resuming (" in done.stdout
     # the same run, bit for bit: the same blocks after the resume, in the second pass as in the first
     assert _logged_training(resumed) == _logged_training(out)
     straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
