@@ -175,6 +175,8 @@ def _refused(capsys, tmp_path, recipe, *fragments, overrides=(), model_loads=Fal
     ({"dtype": "float16"}, ["dtype='float16'", "dtype: bfloat16", "dtype: float32 with bf16: true"]),
     ({"optim": "forge_adamm"}, ["optim='forge_adamm'", "did you mean 'forge_adamw'"]),
     ({"optim_args": "momentum=0.9"}, ["unknown optim_args key 'momentum'"]),
+    ({"learning_rate": -1e-3}, ["learning_rate=-0.001 is negative", "use a positive learning_rate"]),
+    ({"train_sampling_strategy": "group_by_length"}, ["train_sampling_strategy='group_by_length'", "remove the key"]),
 ])
 def test_a_bad_value_stops_before_the_model_loads(capsys, tmp_path, changes, fragments):
     _refused(capsys, tmp_path, write_recipe(tmp_path, **changes), *fragments)
