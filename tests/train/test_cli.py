@@ -36,10 +36,10 @@ def test_help_and_import_leave_torch_unloaded():
         import sys
         import forge_hf
         from forge_hf.train.cli import main
-        assert main(["--help"]) == 0
+        assert main(["--help"]) == 0 and main(["--version"]) == 0
         print("LOADED", sorted(m for m in ("torch", "transformers") if m in sys.modules))
     """)
-    assert "forge-hf train RECIPE.yaml" in out
+    assert "forge-hf train RECIPE.yaml" in out and f"forge-hf {forge_hf.__version__}" in out
     assert "LOADED []" in out
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import forge_hf
 from forge_hf.integrations.checkpoints import check_checkpoint
 from forge_hf.integrations.trainer import ForgeTrainer
 from forge_hf.train import cli
@@ -189,7 +190,9 @@ def test_console_script_usage(capsys):
     assert cli.main(["--help"]) == 0
     assert "forge-hf train RECIPE.yaml" in capsys.readouterr().out
     assert cli.main(["trian"]) == 2
-    assert "unknown command 'trian'" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("forge-hf: error: unknown command 'trian' (did you mean 'train'?)\n")
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"forge-hf {forge_hf.__version__}\n"
 
 
 def test_a_resumed_summary_gives_this_runs_tokens_beside_the_total(capsys):
