@@ -23,6 +23,7 @@ import json
 import os
 import re
 import struct
+import sys
 import zipfile
 
 from transformers.trainer import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
@@ -164,7 +165,22 @@ def check_checkpoint(checkpoint: str) -> str:
     wrong = damage(checkpoint)
     if wrong is not None:
         raise CheckpointError(f"{wrong[0]} is {wrong[1]}: {_fix(checkpoint)}")
+    _warn_if_data_passed_its_end(checkpoint)
     return checkpoint
+
+
+def _warn_if_data_passed_its_end(checkpoint: str) -> None:
+    """A training set without a length (an IterableDataset) that ended and was begun again
+    before the checkpoint: the Trainer fast-forwards it from its start as if in its first pass."""
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
+        state = json.load(f)
+    # the Trainer's mark of a dataset without a length; each end of it begins a new epoch
+    if isinstance(state, dict) and state.get("num_train_epochs") == sys.maxsize and (state.get("epoch") or 0) > 1:
+        logger.warning(f"{checkpoint} was saved after the training dataset (which has no length) ended and began "
+                       "again; the Trainer fast-forwards it from its start as if it had not ended, so the resumed run "
+                       "trains on other data than the interrupted one would have: make the dataset endless (its "
+                       "__iter__ going on to the next pass) or map-style (a datasets.Dataset), whose position the "
+                       "Trainer restores in any epoch")
 
 
 def latest_checkpoint(output_dir: str) -> str | None:

@@ -50,7 +50,8 @@ class DataArguments:
     data_files: list[str] | None = field(
         default=None, metadata={"help": "Local .jsonl/.json or .parquet files (globs allowed) with "
                                         "OpenMathInstruct-2's columns."})
-    streaming: bool = field(default=False, metadata={"help": "Read rows lazily (IterableDataset)."})
+    streaming: bool = field(default=False, metadata={"help": "Read rows lazily (IterableDataset); a resume reads "
+                                                             "and tokenises them again up to the checkpoint."})
     text_template: str = field(
         default="{problem}\n\n{generated_solution}",
         metadata={"help": f"str.format template over the columns {list(OMI2_COLUMNS)}; EOS is appended "

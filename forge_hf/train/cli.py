@@ -6,7 +6,11 @@ Imports nothing heavy until a command runs, so ``forge-hf --help`` answers at on
 
 import sys
 
+from .. import __version__
+from ..core.config import did_you_mean  # loads no torch
+
 USAGE = """usage: forge-hf train RECIPE.yaml [--key value ...]
+       forge-hf --version
 
   train    train from a YAML recipe, as `python -m forge_hf.train` does
            (`forge-hf train --help` lists every recipe key)"""
@@ -77,8 +81,11 @@ def main(argv=None) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         print(USAGE)
         return 0
-    print(f"forge-hf: error: {f'unknown command {argv[0]!r}' if argv else 'no command given'}\n{USAGE}",
-          file=sys.stderr)
+    if argv[:1] == ["--version"]:
+        print(f"forge-hf {__version__}")
+        return 0
+    problem = f"unknown command {argv[0]!r}{did_you_mean(argv[0], COMMANDS)}" if argv else "no command given"
+    print(f"forge-hf: error: {problem}\n{USAGE}", file=sys.stderr)
     return 2
 
 

@@ -2,14 +2,22 @@
 
 Rows from the Hub or local .jsonl/.parquet files, streamed or not; a held-out slice taken
 before the seeded shuffle; each row's ``text_template`` tokenised with EOS appended; rows
-packed into ``block_size`` blocks (only the trailing partial block dropped). Training blocks
-are streamed, so a run's length is ``max_steps``. The steps in detail:
-docs/architecture.md, "Recipe data".
+packed into ``block_size`` blocks (only a pass's trailing partial block dropped).
+
+The training blocks are the run's: pass after pass over the training rows, each pass packed
+alike and in the same order, cut at ``max_steps`` optimizer steps of full micro-batches. The
+Trainer sees them as one epoch, which it fast-forwards exactly at resume whatever the pass:
+rows not streamed give a map-style ``Dataset`` (one pass packed, indexed over the run), whose
+sampler skips without reading; streamed rows give an endless ``IterableDataset``, which the
+Trainer reads again up to the checkpoint's block (a stream keeps no position). The steps in
+detail: docs/architecture.md, "Recipe data".
 """
 
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 
+import numpy as np
 from datasets import Dataset, Features, IterableDataset, Sequence, Value, load_dataset
 
 from .arguments import DataArguments
@@ -17,6 +25,12 @@ from .arguments import DataArguments
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 BLOCK_FEATURES = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32"))})
 TOKENIZE_BATCH = 256
+
+
+def blocks_per_step(args) -> int:
+    """The blocks one optimizer step trains (TrainingArguments ``args``): every micro-batch of
+    gradient accumulation, on every process."""
+    return args.train_batch_size * args.gradient_accumulation_steps * args.world_size
 
 
 def load_rows(args: DataArguments) -> Dataset | IterableDataset:
@@ -72,23 +86,51 @@ def pack(token_lists: Iterable[list[int]], block_size: int) -> Iterator[list[int
         del buffer[:full]
 
 
-def _blocks(rows, tokenizer, template, block_size):
-    for block in pack(row_tokens(rows, tokenizer, template), block_size):
-        yield {"input_ids": block, "labels": block}  # the model shifts labels itself
+def _no_block(block_size: int) -> ValueError:
+    return ValueError(f"the training rows hold fewer than block_size={block_size} tokens: lower block_size, "
+                      "or give more rows (eval_rows holds the first ones out)")
+
+
+def _endless_blocks(rows, tokenizer, template, block_size):
+    while True:  # the next pass repeats the rows' order, so a skip from the start lands where a run was
+        empty = True
+        for block in pack(row_tokens(rows, tokenizer, template), block_size):
+            empty = False
+            yield {"input_ids": block, "labels": block}  # the model shifts labels itself
+        if empty:
+            raise _no_block(block_size)
 
 
 def block_stream(rows, tokenizer, template: str, block_size: int) -> IterableDataset:
+    """The run's blocks, without end: for streamed rows."""
     return IterableDataset.from_generator(
-        _blocks, features=BLOCK_FEATURES,
+        _endless_blocks, features=BLOCK_FEATURES,
         gen_kwargs=dict(rows=rows, tokenizer=tokenizer, template=template, block_size=block_size))
 
 
-def build_datasets(args: DataArguments, tokenizer, seed: int) -> tuple[IterableDataset, Dataset | None]:
-    """(streamed training blocks, held-out evaluation blocks or None)."""
+def block_table(rows, tokenizer, template: str, block_size: int, n_blocks: int) -> Dataset:
+    """The run's first n_blocks blocks: one pass packed (no more of it than the run trains), its
+    blocks indexed pass after pass."""
+    one_pass = [np.asarray(b, dtype=np.int32)
+                for b in islice(pack(row_tokens(rows, tokenizer, template), block_size), n_blocks)]
+    if not one_pass:
+        raise _no_block(block_size)
+    ids = np.stack(one_pass)
+    blocks = Dataset.from_dict({"input_ids": ids, "labels": ids}, features=BLOCK_FEATURES)
+    return blocks if len(blocks) == n_blocks else blocks.select(np.arange(n_blocks) % len(blocks))
+
+
+def build_datasets(args: DataArguments, tokenizer, seed: int, n_blocks: int) -> tuple[Dataset | IterableDataset,
+                                                                                         Dataset | None]:
+    """(the run's n_blocks training blocks, held-out evaluation blocks or None). The training
+    blocks are a map-style Dataset, or an endless IterableDataset where the rows are streamed."""
     train_rows, eval_rows = split_eval(load_rows(args), args.eval_rows)
     if args.shuffle:
         train_rows = shuffle_rows(train_rows, seed, args.shuffle_buffer_size)
-    train = block_stream(train_rows, tokenizer, args.text_template, args.block_size)
+    if isinstance(train_rows, IterableDataset):
+        train = block_stream(train_rows, tokenizer, args.text_template, args.block_size)
+    else:
+        train = block_table(train_rows, tokenizer, args.text_template, args.block_size, n_blocks)
     if eval_rows is None:
         return train, None
     # the slice is small: materialise it, so evaluation has a length and a progress bar

@@ -70,7 +70,8 @@ def load_recipe(path, overrides=()) -> Recipe:
         *parsed, rest = parser.parse_args_into_dataclasses(
             args=list(overrides), look_for_args_file=False, return_remaining_strings=True)
     except argparse.ArgumentError as e:
-        raise RecipeError(f"{path}: command-line override {e}: write overrides as --key value") from None
+        raise RecipeError(f"{path}: command-line override {e}: write overrides as --key value, or --key=value "
+                          "for a value starting with '-' (argparse reads -1e-3 as an option)") from None
     except ValueError as e:  # a dataclass's own validation (__post_init__)
         raise RecipeError(f"{path}: {e}") from None
     if rest:
@@ -324,8 +325,17 @@ def check_recipe(recipe: Recipe) -> None:
              "to read the files, or remove data_files")
 
     if t.max_steps <= 0:
-        fail(f"max_steps={t.max_steps}: packed blocks are streamed and have no length, so the run "
+        fail(f"max_steps={t.max_steps}: the packed blocks repeat the rows pass after pass, so the run "
              "length must be given as max_steps")
+    if t.learning_rate < 0:
+        fail(f"learning_rate={t.learning_rate} is negative, which steps up the loss: use a positive "
+             "learning_rate, e.g. 2e-5")
+    if t.train_sampling_strategy not in ("random", "sequential"):
+        fail(f"train_sampling_strategy={t.train_sampling_strategy!r}: the blocks all hold block_size tokens and "
+             "come in the rows' seeded order (shuffle, data_seed): remove the key")
+    # The order is the rows' (data.py's seeded shuffle): the Trainer reads the run's blocks in
+    # turn, so a resume skips to the same block whatever max_steps or the pass
+    t.train_sampling_strategy = "sequential"
     if t.eval_strategy != "no" and d.eval_rows == 0:
         fail(f"eval_strategy={_name(t.eval_strategy)!r} needs a held-out slice: set eval_rows > 0, "
              "or eval_strategy: 'no'")

@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 
 from ..optim.patch import PatchReport
 from ..optim.patch import _size as size_text  # the patch table's byte formatting
+from .data import blocks_per_step
 
 REPORT_FILE, SUMMARY_FILE, LOSS_PLOT = "forge_report.txt", "forge_summary.json", "loss.png"
 
@@ -92,8 +93,8 @@ class RunClock(TrainerCallback):
 def summarize(recipe, trainer, clock: RunClock, train_seconds: float, wall_seconds: float) -> dict:
     args = recipe.training
     steps = trainer.state.global_step
-    # every block is full (data.pack), so tokens are exact
-    tokens_per_step = args.per_device_train_batch_size * recipe.data.block_size * args.world_size
+    # every step trains the same number of full blocks (data.py), so tokens are exact
+    tokens_per_step = blocks_per_step(args) * recipe.data.block_size
     run_steps = steps - clock.start_step
     later_seconds = clock.train_end - clock.first_step_end if run_steps > 1 else None
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

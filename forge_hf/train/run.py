@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, defaul
 
 from ..integrations.trainer import ForgeTrainer
 from .arguments import ModelArguments
-from .data import build_datasets
+from .data import blocks_per_step, build_datasets
 from .recipe import FLOAT16_FIX, Recipe, RecipeError, load_recipe
 from .report import RunClock, summarize, write_patch_report, write_summary
 
@@ -64,7 +64,8 @@ def run(recipe: Recipe) -> dict:
     model = build_model(recipe.model, args.seed)
     check_fits(model, tokenizer, recipe)
     data_seed = args.data_seed if args.data_seed is not None else args.seed
-    train_blocks, eval_blocks = build_datasets(recipe.data, tokenizer, data_seed)
+    train_blocks, eval_blocks = build_datasets(recipe.data, tokenizer, data_seed,
+                                               n_blocks=args.max_steps * blocks_per_step(args))
     clock = RunClock()
     trainer = ForgeTrainer(model=model, args=args, train_dataset=train_blocks, eval_dataset=eval_blocks,
                            processing_class=tokenizer, data_collator=default_data_collator, callbacks=[clock],
@@ -75,6 +76,10 @@ def run(recipe: Recipe) -> dict:
         raise RecipeError(f"{recipe.path}: {e}") from None
     if trainer.is_world_process_zero():
         print(write_patch_report(trainer.forge_report, args.output_dir), flush=True)
+    if args.resume_from_checkpoint and recipe.data.streaming and not args.ignore_data_skip \
+            and trainer.is_world_process_zero():
+        print(f"forge_hf.train: resuming from {args.resume_from_checkpoint}: a stream keeps no position, so its "
+              "blocks up to the checkpoint are read and tokenised again first", flush=True)
     train_started = time.perf_counter()
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     train_seconds = time.perf_counter() - train_started

@@ -35,10 +35,10 @@ def test_help_and_import_leave_torch_unloaded():
         import sys
         import forge_hf
         from forge_hf.train.cli import main
-        assert main(["--help"]) == 0
+        assert main(["--help"]) == 0 and main(["--version"]) == 0
         print("LOADED", sorted(m for m in ("torch", "transformers") if m in sys.modules))
     """)
-    assert "forge-hf train RECIPE.yaml" in out
+    assert "forge-hf train RECIPE.yaml" in out and f"forge-hf {forge_hf.__version__}" in out
     assert "LOADED []" in out
 
 
@@ -193,6 +193,8 @@ def _refused(capsys, tmp_path, recipe, *fragments, overrides=(), model_loads=Fal
     ({"dtype": "float16"}, ["dtype='float16'", "dtype: bfloat16", "dtype: float32 with bf16: true"]),
     ({"optim": "forge_adamm"}, ["optim='forge_adamm'", "did you mean 'forge_adamw'"]),
     ({"optim_args": "momentum=0.9"}, ["unknown optim_args key 'momentum'"]),
+    ({"learning_rate": -1e-3}, ["learning_rate=-0.001 is negative", "use a positive learning_rate"]),
+    ({"train_sampling_strategy": "group_by_length"}, ["train_sampling_strategy='group_by_length'", "remove the key"]),
 ])
 def test_a_bad_value_stops_before_the_model_loads(capsys, tmp_path, changes, fragments):
     _refused(capsys, tmp_path, write_recipe(tmp_path, **changes), *fragments)

@@ -84,6 +84,15 @@ def test_smoke_recipe_runs_from_any_directory(tmp_path, monkeypatch):
     recipe = load_recipe(RECIPES_DIR / "smoke.yaml")
     assert Path(recipe.model.model_config).is_dir()
     assert all(Path(f).is_file() for f in recipe.data.data_files)
+    assert recipe.training.train_sampling_strategy == "sequential"  # the blocks in the rows' seeded order
+
+
+def test_a_negative_learning_rate_on_the_command_line(tmp_path):
+    recipe = write_recipe(tmp_path)
+    raises(recipe, "learning_rate=-0.001 is negative", "use a positive learning_rate",
+           overrides=["--learning_rate=-1e-3"])
+    raises(recipe, "--learning_rate", "--key=value for a value starting with '-'",
+           overrides=["--learning_rate", "-1e-3"])
 
 
 def test_unknown_key(tmp_path):

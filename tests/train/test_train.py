@@ -1,8 +1,10 @@
 """The smoke recipe end to end, as a user runs it: `accelerate launch -m forge_hf.train`
-and the `forge-hf train` console script (also resuming, after a run killed in the middle of
-a save), each in a subprocess; what a run prints and leaves in output_dir."""
+and the `forge-hf train` console script (also resuming, past the data's end and after a run
+killed in the middle of a save), each in a subprocess; what a run prints and leaves in
+output_dir. Resuming a user's stream that ended and began again warns."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,11 +18,15 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import forge_hf
 from forge_hf.integrations.checkpoints import check_checkpoint
+from forge_hf.integrations.trainer import ForgeTrainer
 from forge_hf.train import cli
 from forge_hf.train import run as train
 from forge_hf.train.report import print_summary
 from tests.helpers import ROOT, WORKERS
+from tests.integrations.test_trainer import dataset, training_args
+from tests.optim.test_optimizer import tiny_llama
 
 SMOKE = ROOT / "recipes" / "smoke.yaml"
 
@@ -45,11 +51,12 @@ def _run(command, tmp_path, timeout=300, returncode=0, **env):
     return done
 
 
-def _check_output_dir(out: Path, steps: int):
+def _check_output_dir(out: Path, steps: int, micro_batches: int = 1):
     summary = json.loads((out / "forge_summary.json").read_text())
+    tokens_per_step = micro_batches * 4 * 128  # micro-batches of 4 blocks of 128 tokens, every one full
     assert summary["steps"] == steps
-    assert summary["tokens"] == steps * 4 * 128  # batch 4 x block 128, every block full
-    assert summary["tokens_per_second"] == pytest.approx(summary["steps_per_second"] * 4 * 128)
+    assert summary["tokens"] == steps * tokens_per_step
+    assert summary["tokens_per_second"] == pytest.approx(summary["steps_per_second"] * tokens_per_step)
     model = AutoModelForCausalLM.from_pretrained(out)
     # every linear is fused; fp32 weights: 4 bytes of gradient each, AdamW's two fp32 moments
     # as large as forge's fp32 states, so the saving is the gradients alone
@@ -88,14 +95,26 @@ def test_smoke_recipe_under_accelerate_launch(tmp_path):
     assert all(e["forge_nonfinite_tiles"] == 0 for e in history if "loss" in e)
 
 
+def _logged_training(out: Path) -> list[dict]:
+    """The training logs, less what depends on the time."""
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [{k: v for k, v in e.items() if "per_second" not in k and k != "train_runtime"}
+            for e in history if "loss" in e]
+
+
 @pytest.mark.slow
-def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
+def test_smoke_recipe_through_the_console_script_and_resumed_past_the_datas_end(tmp_path):
     out = tmp_path / "console"
+    # 100 training rows pack into 42 blocks, 5.25 steps of 2 micro-batches of 4: checkpoint-10 lies in
+    # the second pass over the data, and a step spans each pass's end. The Trainer counts the tokens
+    # it trains too (num_input_tokens_seen), to check the summary's.
     command = [_script("forge-hf"), "train", str(SMOKE), "--max_steps", "20", "--eval_strategy", "no",
-               "--save_steps", "10"]
+               "--save_steps", "10", "--eval_rows", "300", "--gradient_accumulation_steps", "2",
+               "--include_num_input_tokens_seen", "true"]
     _run([*command, "--output_dir", str(out)], tmp_path)
-    summary = _check_output_dir(out, steps=20)
+    summary = _check_output_dir(out, steps=20, micro_batches=2)
     assert summary["last_loss"] < summary["first_loss"], summary
+    assert summary["tokens"] == json.loads((out / "trainer_state.json").read_text())["num_input_tokens_seen"]
 
     # resume a copy that holds only checkpoint-10: `true` must find it and train steps 11-20
     resumed = tmp_path / "resumed"
@@ -105,12 +124,14 @@ def test_smoke_recipe_through_the_console_script_and_resumed(tmp_path):
     summary = json.loads((resumed / "forge_summary.json").read_text())
     assert (summary["resumed_from"], summary["steps_this_run"]) == (str(resumed / "checkpoint-10"), 10)
     # the totals count every step; the rates are over this run's steps and tokens, in its time
-    assert (summary["tokens"], summary["tokens_this_run"]) == (20 * 4 * 128, 10 * 4 * 128)
+    assert (summary["tokens"], summary["tokens_this_run"]) == (20 * 8 * 128, 10 * 8 * 128)
     assert summary["tokens_per_second"] == pytest.approx(summary["tokens_this_run"] / summary["train_seconds"])
     assert summary["steps_per_second"] == pytest.approx(10 / summary["train_seconds"])
-    assert "tokens      10,240, 5,120 after resuming (" in done.stdout
+    assert "tokens      20,480, 10,240 after resuming (" in done.stdout
+    # the same run, bit for bit: the same blocks after the resume, in the second pass as in the first
+    assert _logged_training(resumed) == _logged_training(out)
     straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
-    assert all(torch.equal(straight[k], again[k]) for k in straight)  # the same run, bit for bit
+    assert all(torch.equal(straight[k], again[k]) for k in straight)
 
 
 @pytest.mark.slow
@@ -131,6 +152,32 @@ def test_a_save_killed_midway_is_skipped_when_resuming(tmp_path):
     assert json.loads((unfinished / "trainer_state.json").read_text())["global_step"] == 10
 
 
+class Passes(torch.utils.data.IterableDataset):
+    """A user's stream of the same examples each pass: endless, or ending after one pass."""
+
+    def __init__(self, examples: list[dict], endless: bool):
+        self.examples, self.endless = examples, endless
+
+    def __iter__(self):
+        yield from self.examples
+        while self.endless:
+            yield from self.examples
+
+
+@pytest.mark.parametrize("endless", [False, True], ids=["ends", "endless"])
+def test_resuming_a_stream_that_ended_and_began_again_warns(tmp_path, caplog, single_thread, endless):
+    out = tmp_path / "out"
+    data = Passes(dataset(6), endless)  # 3 steps of 2 a pass: checkpoint-5 lies in the second
+    args = training_args(out, max_steps=5, save_strategy="steps", save_steps=5)
+    ForgeTrainer(model=tiny_llama(), args=args, train_dataset=data).train()
+    with caplog.at_level(logging.WARNING):
+        ForgeTrainer(model=tiny_llama(), args=args, train_dataset=data).train(str(out / "checkpoint-5"))
+    warned = [r.getMessage() for r in caplog.records if "ended and began again" in r.getMessage()]
+    assert len(warned) == (0 if endless else 1), caplog.text
+    for fix in ("make the dataset endless", "map-style (a datasets.Dataset)"):
+        assert endless or fix in warned[0]
+
+
 def test_a_bad_recipe_stops_before_training(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(SMOKE.read_text().replace("learning_rate:", "learnig_rate:"))
@@ -143,7 +190,9 @@ def test_console_script_usage(capsys):
     assert cli.main(["--help"]) == 0
     assert "forge-hf train RECIPE.yaml" in capsys.readouterr().out
     assert cli.main(["trian"]) == 2
-    assert "unknown command 'trian'" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("forge-hf: error: unknown command 'trian' (did you mean 'train'?)\n")
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"forge-hf {forge_hf.__version__}\n"
 
 
 def test_a_resumed_summary_gives_this_runs_tokens_beside_the_total(capsys):
