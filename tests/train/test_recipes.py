@@ -106,7 +106,7 @@ def test_unknown_key(tmp_path):
     ("data_files", "one.jsonl", "a list"),
     ("lr_scheduler_type", "cosinus", "'cosine'"),
     ("forge_rounding", "up", "'stochastic'"),
-    ("forge_lean_loss", "maybe", "true or false"),
+    ("forge_lean_loss", "maybe", "['auto', 'true', 'false']"),
 ])
 def test_wrong_type(tmp_path, key, value, expected):
     raises(write_recipe(tmp_path, **{key: value}), f"key '{key}'", repr(value), expected)
@@ -275,28 +275,29 @@ def test_command_line_overrides_win(tmp_path):
                                                   "--forge_recompute_swiglu", "true"])
     assert (recipe.training.learning_rate, recipe.training.max_steps) == (1e-5, 7)
     config = recipe.config
-    assert config.include == ("q_proj", "v_proj") and config.stop_on_nonfinite and config.recompute_swiglu
+    assert config.include == ("q_proj", "v_proj") and config.stop_on_nonfinite and config.recompute_swiglu == "true"
 
 
 def test_forge_lean_loss_reaches_the_config(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path, forge_lean_loss=True))
-    assert recipe.config.lean_loss and not recipe.training.optim_args  # never serialised into optim_args
-    assert load_recipe(write_recipe(tmp_path), ["--forge_lean_loss", "true"]).config.lean_loss
-    assert not load_recipe(write_recipe(tmp_path)).config.lean_loss  # unset: off
+    assert recipe.config.lean_loss == "true" and not recipe.training.optim_args  # never serialised into optim_args
+    assert load_recipe(write_recipe(tmp_path), ["--forge_lean_loss", "false"]).config.lean_loss == "false"
+    assert load_recipe(write_recipe(tmp_path)).config.lean_loss == "auto"  # unset: where it applies
 
 
 def test_forge_lean_loss_refusals(tmp_path):
     """Liger's fused linear cross-entropy (the CPT recipes') and label smoothing, in the file
     or inside optim_args; Liger's other kernels without its loss are fine."""
     raises(write_recipe(tmp_path, forge_lean_loss=True, use_liger_kernel=True),
-           "forge_lean_loss=true with use_liger_kernel=True", "drop lean_loss", "'fused_linear_cross_entropy': False")
+           "forge_lean_loss=true with use_liger_kernel=True", "set lean_loss=false",
+           "'fused_linear_cross_entropy': False")
     raises(write_recipe(tmp_path, optim_args="lean_loss=true", use_liger_kernel=True),
            "optim_args lean_loss=true with use_liger_kernel=True")
     raises(write_recipe(tmp_path, forge_lean_loss=True, label_smoothing_factor=0.1),
            "forge_lean_loss=true with label_smoothing_factor=0.1")
     recipe = load_recipe(write_recipe(tmp_path, forge_lean_loss=True, use_liger_kernel=True,
                                       liger_kernel_config={"fused_linear_cross_entropy": False}))
-    assert recipe.config.lean_loss
+    assert recipe.config.lean_loss == "true"
 
 
 @pytest.mark.parametrize("overrides,fragment", [
