@@ -6,9 +6,11 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.training_args import OptimizerNames
 
@@ -522,3 +524,27 @@ def test_a_forge_config_adds_its_options_to_the_training_arguments(tmp_path):
     with pytest.raises(ValueError, match=r"forge_config sets lr=0.1 but the TrainingArguments give 0.002"):
         ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset(),
                      forge_config=ForgeConfig(hyperparameters={"lr": 0.1}))
+
+
+# ----------------------------------------------------------------- README
+
+
+def test_the_readmes_trainer_snippet_runs_on_a_cpu_with_the_changes_it_names(tmp_path, monkeypatch):
+    """The README's first Trainer example, with what it says to change on a machine without a
+    GPU (use_cpu=True, no bf16=True, min_params=0 for a tiny model) and a tiny model of the
+    same family built from its config in place of the download."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    snippet = readme.split("### With the Trainer", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    load = 'AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-0.6B", dtype="bfloat16")'
+    assert load in snippet and "bf16=True" in snippet
+    snippet = (snippet.replace(load, "tiny_model")
+               .replace("bf16=True", 'use_cpu=True, optim_args="min_params=0", max_steps=2, report_to="none"'))
+    monkeypatch.chdir(tmp_path)
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    namespace = dict(tiny_model=transformers.Qwen3ForCausalLM(config).to(torch.bfloat16), train_set=dataset(4))
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    report = namespace["trainer"].forge_report
+    assert report.fused and report.summary().endswith("state_precision=bf16 (auto: bfloat16 weights), "
+                                                      "rounding=stochastic")
+    assert namespace["trainer"].state.global_step == 2
