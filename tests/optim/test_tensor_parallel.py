@@ -157,6 +157,28 @@ def test_tp_inside_fsdp2_follows_one_process(max_grad_norm, launched, model_dir)
 
 
 @pytest.mark.slow
+def test_sequence_parallel_block_follows_one_process(launched):
+    """torch's sequence parallelism around the fused layers: the plan gathers the colwise layer's
+    input and reduce-scatters the rowwise one's output, the norm's partial gradients are summed by
+    the optimizer; the weights and clipped norms are one process's on the whole sequences."""
+    _, ranks = launched
+    got = ranks[0]["sequence_parallel"]
+    assert got["fused"] == ["1", "3"]
+    model = tp_worker.sequence_parallel_block()
+    forge_hf.patch_model(model, backend="reference", min_params=0)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)
+    norms = []
+    for step in range(tp_worker.STEPS):
+        model(tp_worker.sp_batch(step)).square().sum().backward()
+        opt.step()
+        norms.append(opt.last_grad_norm.item())
+        opt.zero_grad()
+    assert min(norms) > 0.5  # clipped at every step
+    assert_tp_close(got["weights"], tp_worker.whole(model), "sequence parallel")
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(norms), rtol=RTOL_TP, atol=0)
+
+
+@pytest.mark.slow
 def test_resume_under_tp_equals_the_straight_run(launched):
     """A checkpoint taken under TP (DCP: each rank writes its pieces of the model and of the
     optimizer states; or the optimizer's gathered state_dict) resumes into a fresh TP model whose

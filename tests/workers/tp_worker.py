@@ -190,6 +190,44 @@ def run_two_d(model_dir, max_grad_norm):
                 modes={m.forge_dp.mode for m in fused_layers(model).values()})
 
 
+SP_SIZES = (16, 40)  # (features, hidden) of the sequence-parallel block
+
+
+def sequence_parallel_block():
+    torch.manual_seed(0)
+    features, hidden = SP_SIZES
+    return torch.nn.Sequential(torch.nn.LayerNorm(features), torch.nn.Linear(features, hidden), torch.nn.GELU(),
+                               torch.nn.Linear(hidden, features))
+
+
+def sp_batch(step):
+    return torch.randn(2, 8, SP_SIZES[0], generator=torch.Generator().manual_seed(300 + step))
+
+
+def run_sequence_parallel():
+    """torch's sequence parallelism: a LayerNorm on this rank's positions (SequenceParallel), the
+    colwise linear gathering them (input Shard(1)), the rowwise one reduce-scattering its output
+    back to them; each rank's loss its positions' sum. Clipped, STEPS steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    model = sequence_parallel_block()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(model, mesh, {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
+                                     "3": RowwiseParallel(output_layouts=Shard(1))})
+    report = forge_hf.patch_model(model, backend="reference", min_params=0)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)
+    norms = []
+    for step in range(STEPS):
+        x = sp_batch(step).chunk(dist.get_world_size(), dim=1)[dist.get_rank()]
+        model(x).square().sum().backward()
+        opt.step()
+        norms.append(opt.last_grad_norm.item())
+        opt.zero_grad()
+    return dict(weights=whole(model), norms=norms, fused=report.fused_names)
+
+
 def run_bits(style, rounding):
     """One bf16 linear under torch's ``style`` on this rank's mesh, stepped once from exactly
     summable tokens (every rank the whole batch; the output gradient as the style lays it out)."""
@@ -221,6 +259,7 @@ def main(rank, world, init_file, out_dir, model_dir):
     results["plain"] = run_plain(model_dir)
     results["resume"] = run_resume(model_dir, out_dir)
     results["forwards"] = run_unpatch(model_dir)
+    results["sequence_parallel"] = run_sequence_parallel()
     if world == 4:
         results["two_d"] = {clip: run_two_d(model_dir, clip) for clip in (0.0, CLIP)}
     results["bits"] = {case: run_bits(*case) for case in BITS_CASES}
