@@ -196,11 +196,12 @@ def test_resume_under_tp_equals_the_straight_run(launched):
 def test_bf16_shards_step_as_the_unsharded_kernel(style, rounding, launched):
     """A bf16 linear under torch's ColwiseParallel / RowwiseParallel, stepped from exactly summable
     tokens: the gathered pieces are the unsharded layer's step bit for bit (colwise: a block of
-    rows keeps its rows' stochastic-rounding streams; rowwise pieces draw their own streams, so
-    with round-to-nearest)."""
+    rows keeps its rows' stochastic-rounding streams; rowwise pieces and transformers' packed_colwise
+    halves draw their own streams, so with round-to-nearest)."""
     _, ranks = launched
     torch.manual_seed(0)
-    plain = torch.nn.Sequential(torch.nn.Linear(tp_worker.BITS_IN, tp_worker.BITS_OUT)).to(torch.bfloat16)
+    plain = torch.nn.Sequential(torch.nn.Linear(tp_worker.BITS_IN, tp_worker.BITS_OUT, bias=style != "packed_colwise"))
+    plain.to(torch.bfloat16)
     forge_hf.patch_model(plain, optimizer="adamw", state_precision="bf16", rounding=rounding, backend="reference",
                          min_params=0, lr=1e-2, weight_decay=0.01)
     x, dy = tp_worker.exact_inputs((2, 3, tp_worker.BITS_IN), tp_worker.BITS_OUT, dtype=torch.bfloat16,
@@ -210,7 +211,8 @@ def test_bf16_shards_step_as_the_unsharded_kernel(style, rounding, launched):
         got = r["bits"][(style, rounding)]
         assert got["fused"] == 1
         assert torch.equal(got["weight"], plain[0].weight.detach())
-        assert torch.equal(got["bias_grad"], plain[0].bias.grad)
+        if plain[0].bias is not None:
+            assert torch.equal(got["bias_grad"], plain[0].bias.grad)
 
 
 # ------------------------------------------------------------ one process: layouts and reasons

@@ -33,7 +33,7 @@ CLIP = 1.0  # below the tiny Llama's gradient norms (~5): the clip is active at 
 CASES = [(rule, 0.0, 1) for rule in ("adamw", "adagrad", "lion", "nadam", "radam", "rmsprop", "sgd")] + \
         [("adamw", CLIP, 1), ("adamw", 0.0, 2), ("adamw", CLIP, 2)]
 BITS_IN, BITS_OUT = 72, 136  # rows and columns over 2 or 4 ranks, across 64-wide tiles
-BITS_CASES = [("colwise", "stochastic"), ("colwise", "nearest"), ("rowwise", "nearest")]
+BITS_CASES = [("colwise", "stochastic"), ("colwise", "nearest"), ("rowwise", "nearest"), ("packed_colwise", "nearest")]
 
 
 def load(model_dir, tp: bool):
@@ -228,26 +228,49 @@ def run_sequence_parallel():
     return dict(weights=whole(model), norms=norms, fused=report.fused_names)
 
 
+def _packed_colwise(model, mesh):
+    """transformers' packed_colwise on ``model[0]`` (a fused gate/up projection's style, bias-free): the
+    weight split as two packed halves (_StridedShard), the plan's forward installed."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from transformers.distributed.tensor_parallel import PackedColwiseParallel
+
+    layer, style = model[0], PackedColwiseParallel()
+    placement = _StridedShard(0, split_factor=style.split_factor)
+    layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [placement]))
+    style.install_forward(layer, mesh)
+    return _StridedShard(-1, split_factor=style.split_factor)
+
+
 def run_bits(style, rounding):
-    """One bf16 linear under torch's ``style`` on this rank's mesh, stepped once from exactly
-    summable tokens (every rank the whole batch; the output gradient as the style lays it out)."""
+    """One bf16 linear under torch's ``style`` (or transformers' packed_colwise) on this rank's
+    mesh, stepped once from exactly summable tokens (every rank the whole batch; the output
+    gradient as the style lays it out)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(BITS_IN, BITS_OUT, bias=True)).to(torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(BITS_IN, BITS_OUT, bias=style != "packed_colwise"))
+    model.to(torch.bfloat16)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    parallelize_module(model, mesh, {"0": ColwiseParallel() if style == "colwise" else RowwiseParallel()})
+    if style == "packed_colwise":
+        output_placement = _packed_colwise(model, mesh)
+    else:
+        parallelize_module(model, mesh, {"0": ColwiseParallel() if style == "colwise" else RowwiseParallel()})
     report = forge_hf.patch_model(model, optimizer="adamw", state_precision="bf16", rounding=rounding,
                                   backend="reference", min_params=0, lr=1e-2, weight_decay=0.01)
     x, dy = exact_inputs((2, 3, BITS_IN), BITS_OUT, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(7))
     world, rank = dist.get_world_size(), dist.get_rank()
     if style == "colwise":  # the input replicated; the local output is this rank's columns (torch.chunk's)
         model(x).backward(dy.chunk(world, dim=-1)[rank])
+    elif style == "packed_colwise":  # the local output: this rank's columns of each packed half
+        model(x).backward(distribute_tensor(dy, mesh, [output_placement]).to_local())
     else:  # the input given as this rank's columns; the output replicated
         model(x.chunk(world, dim=-1)[rank]).backward(dy)
     layer = model[0]
-    return dict(fused=len(report.fused), weight=layer.weight.full_tensor(), bias_grad=layer.bias.grad.full_tensor())
+    return dict(fused=len(report.fused), weight=layer.weight.full_tensor(),
+                bias_grad=None if layer.bias is None else layer.bias.grad.full_tensor())
 
 
 def main(rank, world, init_file, out_dir, model_dir):
