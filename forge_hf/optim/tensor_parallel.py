@@ -192,9 +192,14 @@ class MeshShards:
         self.local_shape, offset = compute_local_shape_and_global_offset(p.shape, self.mesh, self.placements)
         rows_only = all(type(pl) is Replicate or (type(pl) is Shard and pl.dim % max(p.dim(), 1) == 0)
                         for pl in self.placements)
-        # the rounding streams' first row, as for a fused layer (TensorParallelWeight.row0)
+        # the rounding streams' first row, as for a fused layer (TensorParallelWeight.row0): the
+        # replicas of a piece (its coordinates on the replicated dimensions) draw the same bits
+        piece = 0
+        for i, pl in enumerate(self.placements):
+            if _shard_dim(pl, max(p.dim(), 1)) is not None:
+                piece = piece * self.mesh.size(i) + self.mesh.get_local_rank(i)
         first = offset[0] if p.dim() else 0
-        self.row0 = first if rows_only else dist.get_rank() * (self.local_shape[0] if p.dim() else 1)
+        self.row0 = first if rows_only else piece * (self.local_shape[0] if p.dim() else 1)
 
     def rows(self, n_rows: int) -> tuple[int, int]:
         """(first row of the rounding streams, one past): fsdp.RowShards' interface."""
