@@ -3,6 +3,7 @@ step against FSDP2 + AdamW, and where gathering a layer's tokens stops being che
 reduce-scattering its gradient. Arithmetic only, no GPU; prints markdown tables.
 
     python benchmarks/fsdp_model.py --model llama-3.1-8b --ranks 2,8,64,512 --tokens 512
+    python benchmarks/fsdp_model.py --model llama-3.1-8b --tp 2,4 --tokens 2048   # TP against FSDP2
 
 Assumptions (docs/fsdp.md says why): bf16 weights, activations and gradients; one FSDP2 unit
 per decoder layer plus the root (embedding, final norm, lm_head), the root kept gathered
@@ -117,15 +118,71 @@ def crossover_table(parts: dict, tokens: int) -> str:
     return "\n".join(rows)
 
 
+# ------------------------------------------------------------ tensor parallelism (docs/parallelism.md)
+# transformers' Llama plan: q/k/v/gate/up colwise, o/down rowwise, the embedding split by vocabulary,
+# lm_head colwise with its output gathered; norms replicated. Every rank holds 1/T of each linear
+# and of the embedding, and sees the whole batch.
+
+
+def activations(kw: dict, tokens: int, tp: int) -> float:
+    """bf16 bytes one rank saves for backward at ``tokens`` tokens: per decoder layer the
+    replicated inputs of both norms and of the colwise linears (one tensor for q/k/v, one for
+    gate/up), the attention's q, k, v and output and the MLP's gate, up and product, split over
+    ``tp``; then the gathered logits, bf16 and their fp32 copy for the loss."""
+    h, ffn, layers = kw["hidden_size"], kw["intermediate_size"], kw["num_hidden_layers"]
+    head_dim = kw.get("head_dim", h // kw["num_attention_heads"])
+    q, kv = kw["num_attention_heads"] * head_dim, kw["num_key_value_heads"] * head_dim
+    layer = 4 * h + (2 * q + 2 * kv + 3 * ffn) / tp
+    return tokens * (layers * layer * BF16 + kw["vocab_size"] * (BF16 + 4))
+
+
+def tp_per_rank(parts: dict, kw: dict, variant: str, tp: int, tokens: int) -> dict:
+    """Bytes one rank of a tensor-parallel group of ``tp`` holds. ``variant``: a STATE_BYTES key
+    (forge fuses every linear: no gradient of them; AdamW: each piece's bf16 gradient)."""
+    norms = parts["layers"] * parts["layer_norms"] + parts["h"]
+    pieces = (parts["total"] - norms) / tp  # the linears and the embedding
+    held = pieces + norms
+    linears = sum(n * k * count for _, n, k, count in parts["shapes"]) / tp
+    grads = held - linears if variant.startswith("forge") else held
+    return dict(weights=held * BF16, states=held * STATE_BYTES[variant], gradients=grads * BF16,
+                activations=activations(kw, tokens, tp))
+
+
+def tp_memory_table(parts: dict, kw: dict, tps: list[int], tokens: int) -> str:
+    """TP over T ranks against FSDP2 over as many (each rank its own ``tokens``)."""
+    rows = ["| ranks | parallelism | optimizer | weights | states | gradients | gathered weights | activations "
+            "| total |", "|" + " --- |" * 9]
+    for t in tps:
+        for variant in (f"{ADAMW}, fp32 states", "forge bf16"):
+            label = "AdamW, fp32 states" if variant.startswith(ADAMW) else variant
+            m = tp_per_rank(parts, kw, variant, t, tokens)
+            cells = [m["weights"], m["states"], m["gradients"], 0.0, m["activations"]]
+            rows.append(f"| {t} | TP {t} | {label} | " + " | ".join(gib(c) for c in cells) + f" | {gib(sum(cells))} |")
+            f = per_rank(parts, variant, t, tokens)
+            cells = [f["weights"], f["states"], f["grad_shards"] + f["unsharded_grads"], f["gathered_weights"],
+                     activations(kw, tokens, 1) + f["gathered_tokens"]]
+            rows.append(f"| {t} | FSDP2 {t} | {label} | " + " | ".join(gib(c) for c in cells)
+                        + f" | {gib(sum(cells))} |")
+    return "\n".join(rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--ranks", default="2,8,64,512", help="comma-separated world sizes")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per rank and step")
+    parser.add_argument("--tp", default="", help="comma-separated tensor-parallel sizes: per-rank memory under TP "
+                                                 "against FSDP2 over as many ranks (activations at --tokens)")
     args = parser.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
-    if args.tokens < 1 or any(r < 1 for r in ranks):
-        parser.error(f"--tokens {args.tokens} --ranks {args.ranks}: use positive integers")
+    tps = [int(t) for t in args.tp.split(",")] if args.tp else []
+    if args.tokens < 1 or any(r < 1 for r in ranks + tps):
+        parser.error(f"--tokens {args.tokens} --ranks {args.ranks} --tp {args.tp}: use positive integers")
+    if tps:
+        parts = model_parts(args.model)
+        print(f"### {args.model} under tensor parallelism: {args.tokens} tokens per rank\n")
+        print(f"Memory per rank (GiB):\n\n{tp_memory_table(parts, SHAPES[args.model][1], tps, args.tokens)}")
+        return
     parts = model_parts(args.model)
     print(f"### {args.model}: {parts['total'] / 1e9:.2f}B parameters, {args.tokens} tokens per rank\n")
     print(f"Memory per rank (GiB):\n\n{memory_table(parts, ranks, args.tokens)}\n")

@@ -280,10 +280,28 @@ class ForgeTrainerMixin:
             # this optimizer: create_scheduler, which the Trainer calls next, builds it again on them
             return self.optimizer
         fused = fused_layers(model).values()
+        if self.forge_tensor_parallel_only():
+            return self.optimizer  # every rank a piece of each layer and the same batches: no data parallelism
         if self.args.world_size > 1 and not any(m.forge_dp for m in fused):
             # before accelerate wraps the model in DDP; a ForgeOptimizer the caller made needs it too
             enable_data_parallel(model, mode=self.forge_config.data_parallel if self.forge_config else "sharded")
         return self.optimizer
+
+    def forge_tensor_parallel_only(self) -> bool:
+        """Whether the ranks are one tensor-parallel group (accelerate's ParallelismConfig(tp_size=world),
+        a model loaded with tp_plan): the fused layers step their pieces (optim/tensor_parallel.py).
+        TP with data-parallel replicas (dp_replicate_size > 1) is refused: forge's data parallelism
+        gathers tokens over the whole world, not over one piece's replicas."""
+        tp = self.get_tp_size() if hasattr(self, "get_tp_size") else 1
+        if tp <= 1:
+            return False
+        replicas = self.args.world_size // tp
+        if replicas > 1:
+            raise ValueError(
+                f"tp_size={tp} with {replicas} data-parallel replicas (world size {self.args.world_size}) is not "
+                "supported with forge optimizers outside FSDP2: give the other ranks to FSDP2 "
+                f"(ParallelismConfig(tp_size={tp}, dp_shard_size={replicas})), or set tp_size to the world size")
+        return True
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if optimizer is None:

@@ -45,6 +45,18 @@ class DataParallelSeam(Protocol):
     def wait(self) -> None: ...
 
 
+class TensorParallelSeam(Protocol):
+    """A weight that is a DTensor sharded by tensor parallelism (optim/tensor_parallel.py):
+    the layer steps this rank's piece from its local tensors."""
+
+    row0: int  # the piece's first row for the rounding streams
+
+    def local(self, param: torch.Tensor) -> torch.Tensor: ...
+    def local_bias(self, layer) -> torch.Tensor | None: ...
+    def as_gradient(self, g: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, layer, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class ShardedWeightSeam(DataParallelSeam, Protocol):
     """Mode "fsdp" (optim/fsdp.py): the layer's weight in backward is a gathered copy; the
     rows to step live in this rank's shard of the parameter."""
@@ -61,8 +73,11 @@ def _in_this_backward(node) -> bool:
 def _check_one_process(layer) -> None:
     """A fused step without forge's data-parallel mode is exact only if no other rank trains
     these weights: DDP has no fused gradient to reduce, so each rank would step from its own
-    batch alone and the replicas drift apart. Checked once per layer (``_forge_one_process``)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    batch alone and the replicas drift apart. Tensor parallelism's ranks hold different pieces
+    of the weight: its mesh's ranks are one process. Checked once per layer (``_forge_one_process``)."""
+    tp = layer.forge_tp
+    pieces = tp.mesh.size() if tp is not None else 1
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > pieces:
         raise RuntimeError(
             f"{layer.forge_name} ran a fused backward in a process group of {dist.get_world_size()} ranks "
             "without forge data parallelism: each rank would step its fused weights from its own batch "
@@ -145,6 +160,7 @@ class FusedWeightMixin:
     forge_transposed = False  # Conv1D stores its weight as (in, out)
     forge_dp: DataParallelSeam | None = None  # set by optim/distributed.enable_data_parallel
     forge_held = None  # a HeldGradient while a ForgeOptimizer holds the updates to its step (held_gradient.py)
+    forge_tp: TensorParallelSeam | None = None  # set by patch_model for a tensor-parallel DTensor weight
 
     def forge_setup(self, config: ForgeConfig, layer_index: int = 0):
         if self.weight.dtype not in WEIGHT_DTYPES:
@@ -167,8 +183,11 @@ class FusedWeightMixin:
         self.forge_arm()
 
     def forge_weight_view(self) -> torch.Tensor:
-        """The weight as (out_features, in_features), a view of the parameter."""
+        """The weight as (out_features, in_features), a view of the parameter (tensor parallel:
+        of this rank's piece)."""
         weight = self._parameters["weight"]  # not through nn.Module.__getattr__: called a few times a step
+        if self.forge_tp is not None:
+            weight = self.forge_tp.local(weight)
         return weight.t() if self.forge_transposed else weight
 
     def forge_consume_gradient(self, x2: torch.Tensor, dy2: torch.Tensor, conflict=None) -> bool:
@@ -182,6 +201,8 @@ class FusedWeightMixin:
         if not self.forge_fuses(conflict):
             g = dy2.float().t() @ x2.float()
             g = (g.t() if self.forge_transposed else g).to(weight.dtype)
+            if self.forge_tp is not None:  # this rank's piece of the DTensor weight's gradient
+                g = self.forge_tp.as_gradient(g)
             if weight.grad is None:
                 weight.grad = g.contiguous()
             else:
@@ -367,6 +388,9 @@ class FusedWeightMixin:
         d = self.__dict__
         rule, group, state = d["forge_rule"], d["forge_group"], d["forge_state"]
         param = d["_parameters"]["weight"]
+        tp = self.forge_tp
+        if tp is not None:  # tensor parallel: this rank's piece, whose local dy2^T x2 is its exact gradient
+            param = tp.local(param)
         weight = param.t() if self.forge_transposed else param
         dp = self.forge_dp
         if dp is None and not d.get("_forge_one_process", False):
@@ -388,7 +412,7 @@ class FusedWeightMixin:
         stats = d["forge_stats"]
         if stats.device != device:
             stats = self.forge_stats = stats.to(device)
-        args = next_launch_args(rule, group, state, self.forge_salt(), device, start)
+        args = next_launch_args(rule, group, state, self.forge_salt(), device, start + (0 if tp is None else tp.row0))
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
             self.forge_launcher(weight, state)(x2, dy2, args, stats)
         if dp is not None:
@@ -446,7 +470,7 @@ class FusedWeightMixin:
         dp = self.forge_dp
         if dp is not None:
             dp.announce_tokens(x.numel() // max(x.shape[-1], 1))
-        bias = self._parameters.get("bias")
+        bias = self._parameters.get("bias") if self.forge_tp is None else self.forge_tp.local_bias(self)
         # one call for the usual case, no autocast at all; then the device's own check
         dev = None if not torch._C._is_any_autocast_enabled() else "cuda" if x.is_cuda else x.device.type
         if dev is not None and torch.is_autocast_enabled(dev):
@@ -521,6 +545,8 @@ class ForgeLinear(FusedWeightMixin, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():  # compiled: the fused op notes the call when it runs
             self.forge_note_call()
+        if self.forge_tp is not None:  # a DTensor weight: the local product (optim/tensor_parallel.py)
+            return self.forge_tp.forward(self, x)
         if not self.forge_active():
             return F.linear(x, self.weight, self.bias)
         return self.forge_forward(x)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..nn.linear import FusedWeightMixin
 from .distributed import TokenCounts, TokenExchange, TokenGather
+from .tensor_parallel import MeshShards
 
 
 def chunk_rows(n_rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -34,6 +35,11 @@ class RowShards:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+
+    @property
+    def norm_groups(self) -> tuple:
+        """The groups the rows' squared sums add over (tensor_parallel.MeshShards' interface)."""
+        return (self.group,)
 
     def rows(self, n_rows: int) -> tuple[int, int]:
         return chunk_rows(n_rows, self.world, self.rank)
@@ -54,15 +60,13 @@ class RowShards:
         return t[start:stop].clone()
 
 
-def param_shards(p: torch.Tensor) -> RowShards | None:
-    """How an FSDP2-sharded parameter's rows are split, or None for a whole tensor."""
+def param_shards(p: torch.Tensor) -> RowShards | MeshShards | None:
+    """How a DTensor parameter is split: by rows on a 1-d mesh (FSDP2's shards, a colwise
+    tensor-parallel piece), or any other way (tensor_parallel.MeshShards); None for a whole tensor."""
     if not isinstance(p, DTensor):
         return None
     if p.device_mesh.ndim != 1 or p.placements != (Shard(0),):
-        raise ValueError(
-            f"a {tuple(p.shape)} parameter is a DTensor placed {p.placements} on a {p.device_mesh.ndim}-d mesh: "
-            "ForgeOptimizer steps parameters sharded by rows on one mesh dimension (fully_shard with a 1-d "
-            "mesh and the default shard_placement_fn)")
+        return MeshShards(p)
     return RowShards(p.device_mesh.get_group())
 
 
@@ -159,7 +163,12 @@ def enable_fsdp(model: torch.nn.Module) -> list[str]:
 
 
 def fsdp_needed(model: torch.nn.Module) -> bool:
-    """Whether ``model`` has fused layers whose weights FSDP2 shards and no FSDP2 context yet."""
+    """Whether ``model`` has fused layers whose weights FSDP2 shards and no FSDP2 context yet
+    (a DTensor weight outside fully_shard is a tensor-parallel piece: optim/tensor_parallel.py)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return False
     return any(isinstance(m.weight, DTensor) and not isinstance(m.forge_dp, FsdpFusion)
                for m in model.modules() if isinstance(m, FusedWeightMixin))
 
@@ -178,7 +187,10 @@ _GROUPS = "param_groups"
 
 def _row_dtensor(local: torch.Tensor, p: DTensor, n_rows: int) -> DTensor:
     """``local``, this rank's rows of an (n_rows, ...) state of the FSDP2 parameter ``p``,
-    as the whole tensor's DTensor (torch.chunk's uneven layout, as FSDP2 places ``p``)."""
+    as the whole tensor's DTensor (torch.chunk's uneven layout, as FSDP2 places ``p``); a
+    parameter placed otherwise (tensor parallel), placed as ``p``."""
+    if p.device_mesh.ndim != 1 or p.placements != (Shard(0),):
+        return MeshShards(p).as_dtensor(local)
     shape = torch.Size((n_rows, *local.shape[1:]))
     return DTensor.from_local(local, p.device_mesh, [Shard(0)], run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
@@ -224,7 +236,10 @@ def load_sharded_optimizer(optimizer, checkpoint_dir) -> None:
             continue
         p = params[index]
         size, dtype = tuple(meta.size), meta.properties.dtype
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and isinstance(shards := param_shards(p), MeshShards):
+            local = torch.empty(shards.local_shape_of(size), dtype=dtype, device=p.device)
+            template[key] = shards.as_dtensor(local)
+        elif isinstance(p, DTensor):
             start, stop = RowShards(p.device_mesh.get_group()).rows(size[0])
             template[key] = _row_dtensor(torch.empty((stop - start, *size[1:]), dtype=dtype, device=p.device),
                                          p, size[0])

@@ -12,8 +12,8 @@ with the same state (ForgeState) and stores, so each rule stays written once.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..core.codecs import QuantisedSlot
 from ..core.rounding import layer_salt
@@ -31,6 +31,7 @@ from ..kernels import (
 from ..nn.held_gradient import HeldGradient
 from ..nn.linear import FusedWeightMixin
 from .fsdp import enable_fsdp, fsdp_needed, param_shards
+from .tensor_parallel import all_reduce_over, settle_gradients
 
 # Trainer.get_decay_parameter_names (transformers 5.x): no weight decay for biases and norms.
 # data-parallel modes in which a fused layer holds and steps only its rows (optim/distributed.py, optim/fsdp.py)
@@ -49,6 +50,14 @@ def default_decay_parameter_names(model: nn.Module) -> list[str]:
     from transformers.trainer_pt_utils import get_parameter_names
 
     return get_parameter_names(model, [nn.LayerNorm], NO_DECAY_PATTERNS)
+
+
+def _norm_groups(layer) -> tuple:
+    """The process groups a fused layer's squared sums add over: its data-parallel band's
+    (each rank steps its rows) and its tensor-parallel mesh's (each rank holds a piece)."""
+    dp, tp = layer.forge_dp, layer.forge_tp
+    groups = (dp.group,) if dp is not None and dp.mode in SHARDED_MODES else ()
+    return groups + (tp.norm_groups if tp is not None else ())
 
 
 def _one(layers: dict[str, nn.Module], what: str, read) -> object:
@@ -140,7 +149,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             else:
                 self.state[p] = ForgeState(rule, config.state_precision_for(p.dtype))
                 self._salt[p] = layer_salt(seed, -1 - i)  # apart from the fused layers' streams
-        # FSDP2 parameters (DTensors sharded by rows): stepped through their local shards
+        # DTensor parameters (FSDP2's row shards, tensor-parallel pieces): stepped through their local pieces
         self._shards = {p: shards for _, p in named if (shards := param_shards(p)) is not None}
         self._device = named[0][1].device
         # the fused layers' backend steps the non-fused tensors too, on a GPU without
@@ -187,11 +196,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        settle_gradients([p for _, p in self._with_grads() if p in self._shards])
         unclipped = self._step_held()
         # [squared sum, bad tiles] of the fused layers: whole weights, and data-parallel
-        # bands (this rank's rows only, summed over the ranks of the layer's own process
-        # group: another group's ranks hold other replicas). A few launches, not a few per layer.
-        whole, bands = [], {}  # bands: id(group) -> (group, stats)
+        # bands or tensor-parallel pieces (this rank's only, summed over the ranks of the
+        # layer's own process groups: another group's ranks hold other replicas). A few
+        # launches, not a few per layer.
+        whole, bands = [], {}  # bands: ids of the groups -> (groups, stats)
         for layer in self._layers.values():
             # the step ends here: a gradient of the weight from now on belongs to the next one,
             # even where the module itself is not called in it (FusedWeightMixin.forge_on_gradient)
@@ -199,21 +210,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
             dp = layer.forge_dp
             if dp is not None:
                 dp.wait()  # after step() every rank holds the whole updated weight
-            if dp is not None and dp.mode in SHARDED_MODES:
-                bands.setdefault(id(dp.group), (dp.group, []))[1].append(layer.forge_stats)
+            groups = _norm_groups(layer)
+            if groups:
+                bands.setdefault(tuple(map(id, groups)), (groups, []))[1].append(layer.forge_stats)
             else:
                 whole.append(layer.forge_stats)
         totals = torch.zeros(2, device=self._device)
-        for group, stats in [(None, whole), *bands.values()]:
+        for groups, stats in [((), whole), *bands.values()]:
             if not stats:
                 continue
             part = torch.stack([s if s.device == self._device else s.to(self._device) for s in stats]).sum(0)
-            if stats is not whole:
-                dist.all_reduce(part, group=group)
-            totals += part
+            totals += all_reduce_over(part, groups)
             torch._foreach_zero_(stats)
         sq, bad = totals[0], totals[1]
-        shard_totals = {}  # FSDP2 shards: id(group) -> (group, [squared sum, skipped]) of this rank's rows
+        shard_totals = {}  # DTensor pieces: ids of groups -> (groups, [squared sum, skipped]) of this rank's
         pooled = {}  # device -> [squared sum, skipped] the kernel adds every whole tensor's into
         batches: dict[int, MultiTensorRulePass] = {}  # in launch order
         try:
@@ -230,11 +240,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if sums is None:
                     continue  # added into the device's pooled stats, summed with the others below
                 p_sq, p_bad = sums
-                if shards is None:
+                if shards is None or not shards.norm_groups:  # whole, or a replicated piece: alike on every rank
                     sq += p_sq.to(self._device)
                     bad += p_bad.to(self._device)
                 else:
-                    part = shard_totals.setdefault(id(shards.group), (shards.group, torch.zeros(2)))[1]
+                    groups = shards.norm_groups
+                    part = shard_totals.setdefault(tuple(map(id, groups)), (groups, torch.zeros(2)))[1]
                     part += torch.stack([p_sq.float().cpu(), p_bad.float().cpu()])
         finally:  # what was queued is stepped, as it would have been tensor by tensor
             for batch in batches.values():
@@ -243,9 +254,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for stats in pooled.values():
             sq += stats[0].to(self._device)
             bad += stats[1].to(self._device)
-        for shard_group, part in shard_totals.values():
-            part = part.to(self._device)
-            dist.all_reduce(part, group=shard_group)
+        for groups, part in shard_totals.values():
+            part = all_reduce_over(part.to(self._device), groups)
             sq += part[0]
             bad += part[1]
         self.last_grad_norm = sq.sqrt() if unclipped is None else unclipped
@@ -272,7 +282,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             norm = self._held_norm(held, joined)
             scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             for _, p in self._with_grads():
-                g = p.grad.to_local() if p in self._shards else p.grad  # an FSDP2 shard: its own rows
+                g = p.grad.to_local() if p in self._shards else p.grad  # a DTensor: its own piece
                 g.mul_(scale.to(g.device))
         for p, layer in held:
             hold = layer.forge_held
@@ -298,26 +308,26 @@ class ForgeOptimizer(torch.optim.Optimizer):
         fused or not) are summed over their process group; whole ones (DDP's averages) are
         alike on every rank and count once."""
         sq = torch.zeros((), dtype=torch.float32, device=self._device)
-        by_group = {}  # id(group) -> [group, this rank's squared sum of the rows it holds]
+        by_group = {}  # ids of groups -> [groups, this rank's squared sum of the pieces it holds]
         grams: dict = {}  # the last input's tokens x tokens product, for the layers after it that read it
         for _, layer in held:
             part = layer.forge_held.squared_norm(joined, grams).to(self._device)
-            dp = layer.forge_dp
-            if dp is not None and dp.mode in SHARDED_MODES:
-                by_group.setdefault(id(dp.group), [dp.group, torch.zeros_like(sq)])[1] += part
+            groups = _norm_groups(layer)
+            if groups:
+                by_group.setdefault(tuple(map(id, groups)), [groups, torch.zeros_like(sq)])[1] += part
             else:
                 sq += part
         for _, p in self._with_grads():
             shards = self._shards.get(p)
             g = p.grad.to_local() if shards is not None else p.grad
             part = torch.linalg.vector_norm(g, dtype=torch.float32).square().to(self._device)
-            if shards is not None:
-                by_group.setdefault(id(shards.group), [shards.group, torch.zeros_like(sq)])[1] += part
+            if shards is not None and shards.norm_groups:
+                groups = shards.norm_groups
+                by_group.setdefault(tuple(map(id, groups)), [groups, torch.zeros_like(sq)])[1] += part
             else:
                 sq += part
-        for group, part in by_group.values():  # the same order on every rank: the model's
-            dist.all_reduce(part, group=group)
-            sq += part
+        for groups, part in by_group.values():  # the same order on every rank: the model's
+            sq += all_reduce_over(part, groups)
         return sq.sqrt()
 
     def held_snapshot(self) -> tuple:
@@ -360,8 +370,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         state, layer = self.state[p], self._layers.get(p)
         transposed = layer.forge_transposed if layer is not None else None
         local, shards, row0 = p, self._shards.get(p), 0
-        if shards is not None:  # FSDP2: this rank's rows; their first row's place in p picks the rounding bits
-            local, grad, row0 = p.to_local(), grad.to_local(), shards.rows(p.shape[0])[0]
+        if shards is not None:  # a DTensor: this rank's piece; its first row's place in p picks the rounding bits
+            local, row0 = p.to_local(), shards.rows(p.shape[0] if p.dim() else 1)[0]
+            grad = grad.to_local() if isinstance(grad, DTensor) else grad  # a held buffer is this rank's already
         state.allocate(local, group, transposed=transposed)
         w, g = (local.t(), grad.t()) if transposed else (local, grad)
         # the step counts even when the gradient is skipped, as for a fused layer whose

@@ -25,12 +25,14 @@ from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
 
 from ..core.config import TRAINER, ForgeConfig, resolve_config, trainer_keys
 from ..nn.conv1d import ForgeConv1D
 from ..nn.linear import WEIGHT_DTYPES, ForgeLinear, FusedWeightMixin
+from . import tensor_parallel
 
 # Skip reasons (PatchReport.skipped[i].reason); each skipped tensor is stepped by the
 # ordinary optimizer.
@@ -46,6 +48,7 @@ NOT_INCLUDED = "not_included"      # include was given and matches it not
 BELOW_MIN_PARAMS = "below_min_params"
 FLOAT16 = "float16"                # a float16 weight: fused steps need fp32 or bf16 (FLOAT16_FIX)
 UNSUPPORTED = "unsupported"        # a subclass with its own forward, a float64 weight, ...
+TENSOR_PARALLEL = "tensor_parallel"  # a DTensor weight whose local dY^T X is not its piece's gradient (replicated, ...)
 FELL_BACK = "fell_back"            # fused, on the ordinary path in its last step or for good (PatchReport.fell_back)
 
 # why float16 weights are not fused, and what to load instead
@@ -314,7 +317,11 @@ def _skip_reason(name, module, *, include, exclude, owners, embeddings, read_hea
     if _plain_type(module) is None:
         return UNSUPPORTED, (f"{type(module).__name__} is a subclass with its own forward; only nn.Linear / "
                              "Conv1D and the subclasses known to compute their plain map are fused")
-    if "forward" in module.__dict__:
+    if isinstance(w, DTensor):  # tensor parallel: the fused step needs a piece it can step from its local tensors
+        detail = tensor_parallel.skip_detail(module)
+        if detail is not None:
+            return TENSOR_PARALLEL, detail
+    elif "forward" in module.__dict__:
         return UNSUPPORTED, "forward is replaced on the instance (an accelerate/offload hook?)"
     if parametrize.is_parametrized(module):
         return UNSUPPORTED, "the weight is parametrized"
@@ -351,10 +358,13 @@ def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
 
 def _release(layer: nn.Module) -> nn.Module:
     """The plain module back, of the class it had before patching (FalconLinear, ...)."""
-    plain = layer.__dict__.get("forge_plain_class")
-    if plain is not None:
-        return layer.forge_release(plain)
-    return layer.to_conv1d() if isinstance(layer, ForgeConv1D) else layer.to_linear()
+    plain_class = layer.__dict__.get("forge_plain_class")
+    if plain_class is not None:
+        plain = layer.forge_release(plain_class)
+    else:
+        plain = layer.to_conv1d() if isinstance(layer, ForgeConv1D) else layer.to_linear()
+    tensor_parallel.release(layer, plain)
+    return plain
 
 
 # ----------------------------------------------------------------------------- public API
@@ -437,6 +447,7 @@ def patch_model(model: nn.Module, config: ForgeConfig | None = None, **options) 
                 module.forge_plain_class = original  # unpatch_model restores it
             next_index += 1
             _set_child(model, name, module)
+        tensor_parallel.attach(module)
         w = module.weight
         report.fused.append(FusedModule(name, _kind(module), _out_in(module), w.numel(),
                                         w.numel() * w.element_size(), module.forge_layer_index,

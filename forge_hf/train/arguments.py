@@ -35,6 +35,15 @@ class ModelArguments:
                                              "float16 cannot train with forge (it needs a gradient scaler)."})
     attn_implementation: str | None = field(
         default=None, metadata={"help": "e.g. sdpa, eager, flash_attention_2; default: transformers' choice."})
+    tp_plan: Literal["auto"] | None = field(
+        default=None, metadata={"help": "auto: tensor parallelism, each linear split over the ranks of `torchrun "
+                                        "--nproc_per_node N` by the model's own plan; each rank holds 1/N of the "
+                                        "weights and states and sees every batch (docs/parallelism.md)."})
+
+    def __post_init__(self):
+        if self.tp_plan is not None and not self.model_name_or_path:
+            raise ValueError(f"tp_plan={self.tp_plan!r} splits pretrained weights as they load: set "
+                             "model_name_or_path (a model_config's random model is built whole), or drop tp_plan")
 
 
 @dataclass

@@ -26,6 +26,8 @@ from .report import RunClock, summarize, write_patch_report, write_summary
 def build_model(args: ModelArguments, seed: int):
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     options = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
+    if args.tp_plan:  # pretrained weights only (ModelArguments checks)
+        options["tp_plan"] = args.tp_plan
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, revision=args.model_revision,
                                                     dtype=dtype, **options)

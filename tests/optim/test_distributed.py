@@ -381,7 +381,7 @@ def test_optimizer_sums_band_statistics_over_each_layers_own_group(monkeypatch):
     import types
 
     from forge_hf import ForgeLinear, ForgeOptimizer
-    from forge_hf.optim import optimizer as forge_optim
+    from forge_hf.optim import tensor_parallel
 
     calls = []
 
@@ -389,7 +389,7 @@ def test_optimizer_sums_band_statistics_over_each_layers_own_group(monkeypatch):
         calls.append((group, t.tolist()))
         t.mul_(2)
 
-    monkeypatch.setattr(forge_optim.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(tensor_parallel.dist, "all_reduce", all_reduce)  # the optimizer's reductions
     model = torch.nn.Sequential(*(ForgeLinear.from_linear(torch.nn.Linear(8, 8, bias=False), backend="reference")
                                   for _ in range(4)))
     for layer, group in zip(model, ("dp_a", "dp_a", "dp_b", None)):

@@ -229,17 +229,35 @@ def test_world_of_one_steps_like_no_sharding(kind, dtype, precision, one_process
     assert_states(opt.state_dict()["state"], plain_opt.state_dict()["state"], True, kind)
 
 
-def test_optimizer_refuses_parameters_not_sharded_by_rows(one_process_group):
+def test_optimizer_steps_parameters_placed_otherwise(one_process_group):
+    """A DTensor parameter not sharded by rows (a tensor-parallel piece: optim/tensor_parallel.py)
+    is stepped through its local piece, as the same tensor without DTensor."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 6, bias=False), torch.nn.LayerNorm(6))
-    forge_hf.patch_model(model, backend="reference", min_params=0)
-    mesh = init_device_mesh("cpu", (1,))
-    model[1].weight = torch.nn.Parameter(distribute_tensor(model[1].weight.detach().view(2, 3), mesh, [Shard(1)]))
-    with pytest.raises(ValueError, match=r"a \(2, 3\) parameter is a DTensor placed \(Shard\(dim=1\),\).*default "
-                                         r"shard_placement_fn"):
-        forge_hf.ForgeOptimizer(model, lr=1e-3)
+    def build(placed):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(6, 4, bias=False))
+        forge_hf.patch_model(model, backend="reference", min_params=0, include=["0"])
+        if placed:
+            mesh = init_device_mesh("cpu", (1,))
+            model[1].weight = torch.nn.Parameter(distribute_tensor(model[1].weight.detach(), mesh, [Shard(1)]))
+        return model, forge_hf.ForgeOptimizer(model, lr=1e-2, max_grad_norm=0.1)
+
+    plain, plain_opt = build(False)
+    placed, placed_opt = build(True)
+    for step in range(2):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        plain(x).square().sum().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        hidden = DTensor.from_local(placed[0](x), placed[1].weight.device_mesh)  # replicated
+        torch.nn.functional.linear(hidden, placed[1].weight).full_tensor().square().sum().backward()
+        placed_opt.step()
+        placed_opt.zero_grad()
+        assert torch.equal(placed_opt.last_grad_norm, plain_opt.last_grad_norm)
+    assert torch.equal(placed[1].weight.full_tensor(), plain[1].weight.detach())
+    assert torch.equal(placed[0].weight, plain[0].weight)
 
 
 @pytest.mark.parametrize("fsdp,distributed_type", [(["full_shard"], "NO"), ([], "FSDP")],

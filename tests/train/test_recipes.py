@@ -307,3 +307,17 @@ def test_forge_lean_loss_refusals(tmp_path):
 ])
 def test_bad_override(tmp_path, overrides, fragment):
     raises(write_recipe(tmp_path), fragment, overrides=overrides)
+
+
+def test_tp_plan_loads_pretrained_weights_split(monkeypatch):
+    """tp_plan reaches from_pretrained; with only a model_config (built whole, at random) it is refused."""
+    from forge_hf.train import run
+    from forge_hf.train.arguments import ModelArguments
+
+    with pytest.raises(ValueError, match=r"^tp_plan='auto' splits pretrained weights as they load: set "
+                                         r"model_name_or_path .*or drop tp_plan$"):
+        ModelArguments(model_config="some/config", tp_plan="auto")
+    seen = {}
+    monkeypatch.setattr(run.AutoModelForCausalLM, "from_pretrained", lambda name, **kw: seen.update(kw, name=name))
+    run.build_model(ModelArguments(model_name_or_path="some/model", tp_plan="auto"), seed=0)
+    assert seen["tp_plan"] == "auto" and seen["name"] == "some/model"
