@@ -252,7 +252,10 @@ class ForgeTrainerMixin:
         if mode == "true":
             check_lean_loss(self.args, self.compute_loss_func, self.accelerator)
             return True
-        return (mode == "auto" and is_causal_lm(self.model)
+        # auto leaves a trainer with a loss of its own (TRL's compute_loss: its fused LM head,
+        # its metrics from the logits) as it is; true hands the lean loss to it too
+        own_loss = type(self).compute_loss is not Trainer.compute_loss
+        return (mode == "auto" and not own_loss and is_causal_lm(self.model)
                 and lean_loss_conflict(self.args, self.compute_loss_func, self.accelerator) is None)
 
     @property

@@ -83,6 +83,9 @@ def quantization_report(states: dict | None = None, grad: torch.Tensor | None = 
     tensor}, with their ``grad``) or on synthetic log-normal states of ``spread``.
     ``hyperparameters`` go to the rule (lr is 1 and weight_decay 0 unless given)."""
     ForgeConfig(state_precision=precision)  # a bad precision raises, naming the choices
+    if precision == "auto":
+        raise ValueError("quantization_report measures one storage precision, and 'auto' picks one by the weights' "
+                         "dtype: give precision='bf16' (auto's pick for bf16 weights), 'fp32', 'int8' or 'al8'")
     r = get_rule(rule)
     hyperparameters = {"lr": 1.0, "weight_decay": 0.0, **hyperparameters}
     if states is None:

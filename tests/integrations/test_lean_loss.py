@@ -54,7 +54,7 @@ class GatheredCounts(ForgeTrainer):
 
 
 def train(tmp_path, lean: bool, trainer_cls=ForgeTrainer, model=None, **overrides):
-    optim_args = LEAN if lean else "backend=reference,min_params=0"
+    optim_args = LEAN if lean else "backend=reference,min_params=0,lean_loss=false"
     args = training_args(tmp_path / f"lean{int(lean)}", optim_args=optim_args, **{"max_steps": STEPS, **overrides})
     trainer = trainer_cls(model=model if model is not None else tiny_llama(VOCAB), args=args,
                           train_dataset=padded_dataset(), eval_dataset=padded_dataset(4, seed=1))

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 import forge_hf
+from forge_hf.integrations.lean_loss import lean_causal_lm_loss
 from forge_hf.nn.linear import ForgeFallbackWarning, ForgeLinear
 from forge_hf.optim import patch
 from forge_hf.optim.patch import FELL_BACK, TRL_LM_HEAD
@@ -362,3 +363,9 @@ def test_dpo_accumulating_and_clipping_matches_the_plain_dpo_trainer(tmp_path, s
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and b["grad_norm"] > 0.5
     for (name, a), b in zip(forge.model.named_parameters(), plain.model.parameters()):
         assert_close_rel(a.detach(), b.detach(), 1e-4, what=name)
+
+
+def test_lean_loss_auto_leaves_trls_own_loss_and_true_takes_it(tmp_path):
+    assert sft(tmp_path / "auto").compute_loss_func is None  # SFTTrainer's compute_loss: its loss, its metrics
+    lean = sft(tmp_path / "true", optim_args="backend=reference,min_params=0,lean_loss=true")
+    assert lean.compute_loss_func is lean_causal_lm_loss

@@ -625,7 +625,8 @@ def test_auto_state_precision_with_two_weight_dtypes_says_which_took_what():
     model.model.layers[1].to(torch.bfloat16)
     report = patch_model(model, min_params=0, backend="reference")
     assert "state_precision=auto: bf16 for bfloat16 weights, fp32 for float32 weights," in report.summary()
-    assert patch_model(model, min_params=0, backend="reference").fused == []  # patched already: same choice
+    again = patch_model(model, min_params=0, backend="reference")  # patched already: auto makes the same choice
+    assert again.summary() == report.summary()
 
 
 @pytest.mark.gpu

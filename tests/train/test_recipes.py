@@ -44,7 +44,8 @@ def test_cpt_recipes_use_the_papers_settings(model, state):
     assert t.lr_scheduler_type == "cosine" and t.bf16 and t.use_liger_kernel
     assert recipe.model.dtype == "bfloat16"
     assert d.dataset_name == "nvidia/OpenMathInstruct-2" and d.streaming
-    assert recipe.config.state_precision == state
+    # the bf16 recipes keep the default, auto: bf16 states for their bf16 weights
+    assert recipe.config.state_precision_for(torch.bfloat16) == state
 
 
 def test_forge_arguments_cover_forge_trainers_options():
