@@ -79,14 +79,16 @@ def recompute_swiglu(model: nn.Module, required: bool = True) -> list[str]:
     a model with no such MLP raises, else returns []."""
     changed = []
     for name, module in model.named_modules():
-        if _is_swiglu_mlp(module) and isinstance(module.down_proj, FusedWeightMixin):
+        down = getattr(module, "down_proj", None)
+        # a tensor-parallel down_proj keeps the plan's forward around it, which the Function would skip
+        if _is_swiglu_mlp(module) and isinstance(down, FusedWeightMixin) and down.forge_tp is None:
             module.forward = types.MethodType(_swiglu_forward, module)
             changed.append(name)
     if not changed and required:
         raise ValueError(
             f"{type(model).__name__} has no SwiGLU MLP with a fused down_proj (modules with gate_proj, "
-            "up_proj, down_proj and config.hidden_act 'silu'): call patch_model first, and leave "
-            "down_proj fused")
+            "up_proj, down_proj and config.hidden_act 'silu'; not tensor-parallel): call patch_model first, "
+            "and leave down_proj fused")
     return changed
 
 
