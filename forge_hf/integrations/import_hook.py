@@ -53,8 +53,8 @@ class RegistrationFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: asks the finders after it for the watched modules' specs and
     wraps their loaders."""
 
-    def __init__(self):
-        self.waiting = set(AFTER_IMPORT)
+    def __init__(self, waiting):
+        self.waiting = set(waiting)  # module names not loaded yet
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in self.waiting:
@@ -81,6 +81,4 @@ def register_on_import() -> None:
         if name in sys.modules:
             _run(name)
     if pending and not any(isinstance(f, RegistrationFinder) for f in sys.meta_path):
-        finder = RegistrationFinder()
-        finder.waiting = set(pending)
-        sys.meta_path.insert(0, finder)
+        sys.meta_path.insert(0, RegistrationFinder(pending))
