@@ -78,7 +78,7 @@ class ForgeConfig:
     recompute_swiglu: str = _option(
         "auto", TRAINER, "SwiGLU MLPs keep gate and up only and form their product again in backward "
         "(forge_hf.recompute_swiglu; bit-identical training, less activation memory): auto (every SwiGLU MLP "
-        "whose down_proj is fused), true (refuse a model without one) or false.", SWITCH_MODES)
+        "whose down_proj is fused and not tensor-parallel), true (refuse a model without one) or false.", SWITCH_MODES)
     cuda_graph: str = _option(
         "auto", TRAINER, "Capture each training step as a CUDA graph and replay it: auto (where the step can be "
         "captured), true (refuse to train otherwise) or false.", SWITCH_MODES)
@@ -92,7 +92,8 @@ class ForgeConfig:
     lean_loss: str = _option(
         "auto", TRAINER, "Compute a causal LM's loss by forge's chunked cross-entropy: the same loss without an "
         "fp32 copy of the logits and their gradient. auto (a causal LM with no compute_loss_func of yours, no "
-        "Liger fused linear cross-entropy, no label smoothing, no context parallelism), true (refuse to train "
+        "compute_loss of the trainer's own (TRL's), no Liger fused linear cross-entropy, no label smoothing, no "
+        "context parallelism), true (refuse to train "
         "otherwise) or false.", SWITCH_MODES)
     hyperparameters: dict = _option(
         dict, OPTIMIZER, "The rule's own hyperparameters under torch.optim's names (lr, betas, eps, "
