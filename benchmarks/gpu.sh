@@ -15,6 +15,7 @@
 #   trainer ARGS    trainer_bench.py: the Trainer API's arms side by side
 #   dp ARGS         dp_bench.py on every visible GPU (torch.distributed.run; NPROC to change)
 #   memory ARGS     capture_memory.py       host ARGS     host_overhead.py
+#   overlap ARGS    stream_overlap.py: the update's rule pass on a side stream, against the plain backward
 #   convergence ARGS  convergence.py: held-out loss of each optimizer arm over a training run;
 #                   curves, plot and loss table as $OUT/convergence_<time>.{json,png,md}
 #   ncu ARGS        Nsight Compute on kernel_microbench.py --ncu ARGS (e.g. gate_proj/up_proj)
@@ -94,7 +95,7 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { print substr($0, 3) }' "$SELF";
 command=${1:-help}
 shift $(($# > 0))
 case $command in
-  grid|trainer|kernel|dp|memory|host|ncu|tests|convergence) [ -f $INSTALLED ] || logged install.log install || exit $? ;;
+  grid|trainer|kernel|dp|memory|host|overlap|ncu|tests|convergence) [ -f $INSTALLED ] || logged install.log install || exit $? ;;
 esac
 case $command in
   install) logged install.log install ;;
@@ -106,6 +107,7 @@ case $command in
         benchmarks/dp_bench.py "$@" ;;
   memory) logged memory.log python3 benchmarks/capture_memory.py "$@" ;;
   host) logged host.log python3 benchmarks/host_overhead.py "$@" ;;
+  overlap) logged overlap.log python3 benchmarks/stream_overlap.py "$@" ;;
   convergence) stamp=$OUT/convergence_$(date +%H%M%S)
     logged convergence.log python3 benchmarks/convergence.py --out "$stamp.json" --png "$stamp.png" --md "$stamp.md" \
       "$@" ;;
