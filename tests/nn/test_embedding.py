@@ -17,7 +17,7 @@ from forge_hf.optim import embedding_step
 from forge_hf.optim.embedding_step import EmbeddingSteps
 from forge_hf.optim.optimizer import ForgeOptimizer
 from forge_hf.optim.patch import patch_model, unpatch_model
-from tests.helpers import RTOL_FP32, assert_close_rel, tiny_llama
+from tests.helpers import DEVICE, RTOL_FP32, assert_close_rel, tiny_llama
 
 VOCAB, HIDDEN, PAD = 1000, 48, 3  # a vocabulary no multiple of a tile (64 rows) or a chunk
 
@@ -30,19 +30,22 @@ class Toy(nn.Module):
         torch.manual_seed(seed)
         self.emb = nn.Embedding(VOCAB, HIDDEN, padding_idx=PAD, dtype=dtype)
         self.head = nn.Linear(HIDDEN, 16, bias=False, dtype=dtype)
+        self.to(DEVICE)
 
     def forward(self, ids):
         return self.head(self.emb(ids))
 
 
 def batches(n, seed=1):
-    """Ids over the first 300 rows only (the rest never seen), padding and repeats included."""
+    """Ids over the first 300 rows only (the rest never seen), padding included; each other id
+    once a batch, so that a row's gradient has one term whatever order a GPU adds in (the
+    repeats' sums: test_compact_rows_are_the_dense_gradient)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(0, 300, (3, 20), generator=gen)
+        ids = torch.randperm(300, generator=gen)[:60].view(3, 20)
         ids[:, -4:] = PAD
-        out.append(ids)
+        out.append(ids.to(DEVICE))
     return out
 
 
@@ -70,13 +73,15 @@ def forge_run(backend, fuse, dtype=torch.float32, steps=3, micro=1, **opt):
 
 
 def test_compact_rows_are_the_dense_gradient():
-    ids = batches(1)[0]
-    dy = torch.randn(*ids.shape, HIDDEN)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (3, 20), generator=gen).to(DEVICE)  # many repeats
+    ids[:, -4:] = PAD
+    dy = (torch.randint(-64, 65, (*ids.shape, HIDDEN), generator=gen) / 256).to(DEVICE)  # sums exact in any order
     held = compact_rows(ids, dy, VOCAB, PAD, torch.float32)
     assert held.ids.shape[0] == min(ids.numel(), VOCAB + 1)  # known before any kernel runs
-    weight = torch.zeros(VOCAB, HIDDEN, requires_grad=True)
+    weight = torch.zeros(VOCAB, HIDDEN, requires_grad=True, device=DEVICE)
     torch.nn.functional.embedding(ids, weight, padding_idx=PAD).backward(dy)
-    dense = torch.zeros(VOCAB + 1, HIDDEN).index_add_(0, held.ids, held.rows)[:VOCAB]
+    dense = torch.zeros(VOCAB + 1, HIDDEN, device=DEVICE).index_add_(0, held.ids, held.rows)[:VOCAB]
     assert torch.equal(dense, weight.grad) and not dense[PAD].any()
 
 
@@ -116,12 +121,12 @@ def test_accumulation_and_clipping_are_the_ordinary_paths(small_chunks):
 def test_tiny_llama_trains_to_the_same_weights(backend):
     models = []
     for fuse in ("auto", "false"):
-        model = tiny_llama(100)
+        model = tiny_llama(100).to(DEVICE)
         report = patch_model(model, backend=backend, min_params=0, fuse_embedding=fuse)
         optimizer = ForgeOptimizer(model, lr=1e-2, weight_decay=0.1)
         gen = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            ids = torch.randint(0, 100, (2, 8), generator=gen)
+        for _ in range(3):  # each id once a batch: one term a row, whatever order a GPU adds in
+            ids = torch.randperm(100, generator=gen)[:16].view(2, 8).to(DEVICE)
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -141,7 +146,7 @@ def test_tied_embeddings_stay_on_the_ordinary_path():
 
     config = tiny_llama(100).config
     config.tie_word_embeddings = True
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(DEVICE)
     report = patch_model(model, backend="reference", min_params=0)
     assert type(model.model.embed_tokens) is nn.Embedding
     assert "ordinary path: its weight is also lm_head.weight (tied input and output embeddings)" in str(report)
@@ -156,7 +161,7 @@ def test_tied_embeddings_stay_on_the_ordinary_path():
                                          (dict(scale_grad_by_freq=True), "scale_grad_by_freq")])
 def test_true_refuses_what_cannot_be_exact(kwargs, why):
     model = Toy()
-    model.emb = nn.Embedding(VOCAB, HIDDEN, **kwargs)
+    model.emb = nn.Embedding(VOCAB, HIDDEN, **kwargs, device=DEVICE)
     with pytest.raises(ValueError, match=f"fuse_embedding=true but emb cannot be stepped .*{why}.*auto"):
         patch_model(model, min_params=0, fuse_embedding="true")
     assert type(model.head) is nn.Linear  # nothing changed
@@ -226,13 +231,13 @@ def test_rows_are_held_until_step_and_let_go_by_zero_grad():
 def test_compiles_without_a_graph_break(single_thread):
     results = []
     for compiled in (False, True):
-        model = tiny_llama(100)
+        model = tiny_llama(100).to(DEVICE)
         patch_model(model, backend="reference", min_params=0)
         optimizer = ForgeOptimizer(model, lr=1e-2)
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
-            ids = torch.randint(0, 100, (2, 8), generator=gen)
+            ids = torch.randint(0, 100, (2, 8), generator=gen).to(DEVICE)
             run(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
