@@ -252,7 +252,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     part = shard_totals.setdefault(tuple(map(id, groups)), (groups, torch.zeros(2)))[1]
                     part += torch.stack([p_sq.float().cpu(), p_bad.float().cpu()])
             for group, p in self._embeddings.pending(self.param_groups):
-                stats = pooled.setdefault(p.device, torch.zeros(2, device=p.device)) if self._kernel else None
+                stats = None
+                if self._kernel:
+                    stats = pooled.get(p.device)
+                    if stats is None:
+                        stats = pooled[p.device] = torch.zeros(2, device=p.device)
                 sums = self._embeddings.step(p, group, self.state[p], self._salt[p], stats)
                 if sums is not None:
                     sq += sums[0].to(self._device)
