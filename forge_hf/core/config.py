@@ -65,6 +65,11 @@ class ForgeConfig:
     min_params: int = _option(
         DEFAULT_MIN_PARAMS, PATCH, "Weights with fewer entries, and PEFT adapters, stay on the ordinary "
         "optimizer; 0 fuses every eligible linear.")
+    fuse_embedding: str = _option(
+        "auto", PATCH, "Step the input embedding from the rows each batch touches, summed into a compact "
+        "buffer, with no dense gradient (the same step): auto (where that is exact and saves memory: a plain, "
+        "trainable nn.Embedding not tied to the output head, in one process), true (refuse a model where it "
+        "cannot) or false.", SWITCH_MODES)
     seed: int = _option(0, PATCH, "Seed of the stochastic-rounding streams (ForgeTrainer: TrainingArguments.seed).",
                         trainer_key=False)
     stop_on_nonfinite: bool = _option(False, OPTIMIZER, "Stop training when a tile's gradient is not finite.")

@@ -16,13 +16,15 @@ from .dispatch import bind_fused_update, launch_fused_update, launch_rule_step, 
 from .launch.fused_update_launch import BoundLaunch
 from .reference import RULE_UPDATES as TORCH_RULE_UPDATES
 from .reference import reference_fused_update, reference_rule_rows
-from .runtime.launch_args import ArgsTable, next_launch_args, pack_args, release_held_args
+from .runtime.arg_words import ROW_STRIDE
+from .runtime.launch_args import ARGS_LEN, ArgsTable, next_launch_args, pack_args, release_held_args
 from .select import MANY_TOKENS, TWO_PASS_MARGIN, faster_path
 from .triton.cross_entropy import row_grad_, row_lse
 from .triton.multi_tensor import MultiTensorRulePass, batch_kind
 from .two_pass import GradientScratch, addmm_fp32, grow_reserved_scratch, matmul_fp32, weight_gradient
 
-__all__ = ["ArgsTable", "BoundLaunch", "GradientScratch", "MANY_TOKENS", "TORCH_RULE_UPDATES", "TWO_PASS_MARGIN",
+__all__ = ["ARGS_LEN", "ArgsTable", "ROW_STRIDE",
+           "BoundLaunch", "GradientScratch", "MANY_TOKENS", "TORCH_RULE_UPDATES", "TWO_PASS_MARGIN",
            "addmm_fp32", "bind_fused_update", "faster_path", "grow_reserved_scratch", "launch_fused_update",
            "launch_rule_step", "matmul_fp32", "next_launch_args", "pack_args", "reference_fused_update",
            "reference_rule_rows", "release_held_args", "resolve_backend", "weight_gradient",

@@ -30,6 +30,7 @@ from ..kernels import (
 )
 from ..nn.held_gradient import HeldGradient
 from ..nn.linear import FusedWeightMixin
+from .embedding_step import EmbeddingSteps
 from .fsdp import enable_fsdp, fsdp_needed, param_shards
 from .tensor_parallel import all_reduce_over, settle_gradients
 
@@ -159,6 +160,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._nonfinite = torch.zeros((), device=self._device)
         self._launches: dict[torch.Tensor, tuple] = {}  # non-fused tensor -> (its layout, its BoundLaunch)
         self._batches: dict[tuple, MultiTensorRulePass] = {}  # batch_kind -> the one launch of its tensors
+        # ForgeEmbeddings: stepped here from the rows their backward held (embedding_step.py)
+        self._embeddings = EmbeddingSteps(model, self, config.fuse_embedding, rule, self.stochastic, self._kernel)
         self.last_grad_norm: torch.Tensor | None = None
         self._step_taken = False
         for group in self.param_groups:  # the one owner of the hyperparameters from now on
@@ -196,6 +199,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._embeddings.add_to_dense()
         settle_gradients([p for _, p in self._with_grads() if p in self._shards])
         unclipped = self._step_held()
         # [squared sum, bad tiles] of the fused layers: whole weights, and data-parallel
@@ -247,6 +251,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     groups = shards.norm_groups
                     part = shard_totals.setdefault(tuple(map(id, groups)), (groups, torch.zeros(2)))[1]
                     part += torch.stack([p_sq.float().cpu(), p_bad.float().cpu()])
+            for group, p in self._embeddings.pending(self.param_groups):
+                stats = None
+                if self._kernel:
+                    stats = pooled.get(p.device)
+                    if stats is None:
+                        stats = pooled[p.device] = torch.zeros(2, device=p.device)
+                sums = self._embeddings.step(p, group, self.state[p], self._salt[p], stats)
+                if sums is not None:
+                    sq += sums[0].to(self._device)
+                    bad += sums[1].to(self._device)
         finally:  # what was queued is stepped, as it would have been tensor by tensor
             for batch in batches.values():
                 batch.launch(pooled[batch.device])
@@ -284,6 +298,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             for _, p in self._with_grads():
                 g = p.grad.to_local() if p in self._shards else p.grad  # a DTensor: its own piece
                 g.mul_(scale.to(g.device))
+            self._embeddings.scale(scale)
         for p, layer in held:
             hold = layer.forge_held
             if hold.buffer is not None:
@@ -326,6 +341,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 by_group.setdefault(tuple(map(id, groups)), [groups, torch.zeros_like(sq)])[1] += part
             else:
                 sq += part
+        sq += self._embeddings.squared_norm(self._device)  # whole on every rank (embedding_step.py)
         for groups, part in by_group.values():  # the same order on every rank: the model's
             sq += all_reduce_over(part, groups)
         return sq.sqrt()
@@ -334,14 +350,19 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """What the fused layers hold and which gradient each parameter has: a CUDA-graph
         capture that fails (it runs nothing) goes back to it with ``held_restore``."""
         held = {layer: layer.forge_held.snapshot() for layer in self._layers.values() if layer.forge_held is not None}
-        return held, {p: p.grad for p in self.params()}
+        return held, {p: p.grad for p in self.params()}, self._embeddings.snapshot()
 
     def held_restore(self, snapshot: tuple) -> None:
-        held, grads = snapshot
+        held, grads, rows = snapshot
+        self._embeddings.restore(rows)
         for layer, state in held.items():
             layer.forge_held.restore(state)
         for p, grad in grads.items():
             p.grad = grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._embeddings.clear()  # their compact rows are their gradients
 
     def _with_grads(self):
         """(group, parameter) for every parameter that holds a gradient, in param_groups' order."""

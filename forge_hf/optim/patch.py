@@ -33,6 +33,7 @@ from ..core.config import TRAINER, ForgeConfig, resolve_config, trainer_keys
 from ..nn.conv1d import ForgeConv1D
 from ..nn.linear import WEIGHT_DTYPES, ForgeLinear, FusedWeightMixin
 from . import tensor_parallel
+from .embedding_patch import EmbeddingEntry, apply_embeddings, plan_embeddings, release_embeddings
 
 # Skip reasons (PatchReport.skipped[i].reason); each skipped tensor is stepped by the
 # ordinary optimizer.
@@ -107,6 +108,7 @@ class PatchReport:
     fused: list[FusedModule] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     fell_back: list[Skipped] = field(default_factory=list)  # reason FELL_BACK, detail: the layer's reason
+    embeddings: list[EmbeddingEntry] = field(default_factory=list)  # the input embedding (fuse_embedding)
     _model: weakref.ref | None = field(default=None, repr=False, compare=False)  # the patched model, weakly
     # the fused modules now in fell_back, by name: a layer that fuses again returns to fused
     _unfused: dict[str, FusedModule] = field(default_factory=dict, repr=False, compare=False)
@@ -181,7 +183,17 @@ class PatchReport:
             rows = [(s.name, s.kind, " x ".join(map(str, s.shape)), f"{s.reason}: {s.detail}") for s in entries]
             if rows:
                 parts.append(_table((title, "kind", "shape", "reason"), rows))
+        if self.embeddings:
+            parts.append("\n".join(self._embedding_line(e) for e in self.embeddings))
         return "\n\n".join(parts)
+
+    def _embedding_line(self, entry: EmbeddingEntry) -> str:
+        shape = " x ".join(map(str, entry.shape))
+        reason = entry.reason_now(self._model() if self._model is not None else None)
+        if reason is None:
+            return (f"embedding {entry.name} ({shape}): stepped from the rows each batch touches, its "
+                    f"{_size(entry.gradient_bytes)} dense gradient never allocated (fuse_embedding)")
+        return f"embedding {entry.name} ({shape}): ordinary path: {reason}"
 
 
 def _size(n: int) -> str:
@@ -415,6 +427,7 @@ def patch_model(model: nn.Module, config: ForgeConfig | None = None, **options) 
                  adapters=_adapters(model), min_params=min_params,
                  embeddings={id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)})
     decisions = [(n, m, _skip_reason(n, m, **facts)) for n, m in linears]
+    embedding_plan = plan_embeddings(model, config, facts["owners"])  # raises before anything changes
 
     for name, module, skip in decisions:
         if isinstance(module, FusedWeightMixin) and skip is None:
@@ -453,6 +466,7 @@ def patch_model(model: nn.Module, config: ForgeConfig | None = None, **options) 
                                         w.numel() * w.element_size(), module.forge_layer_index,
                                         module.forge_state.precision, str(w.dtype).removeprefix("torch.")))
     report.skipped.extend(_expert_tensors(model))
+    report.embeddings = apply_embeddings(embedding_plan)
 
     if not report.fused:
         warnings.warn(f"patch_model fused no module of {type(model).__name__}{_nothing_fused_hint(report)}: "
@@ -485,4 +499,4 @@ def unpatch_model(model: nn.Module) -> list[str]:
             if isinstance(child, FusedWeightMixin):
                 parent._modules[attr] = _release(child)
                 restored.append(f"{name}.{attr}" if name else attr)
-    return restored
+    return restored + release_embeddings(model)
