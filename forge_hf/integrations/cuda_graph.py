@@ -87,10 +87,9 @@ class TrainerGraph:
 
     overlap = True  # False: the loss waits for the whole step (what benchmarks compare the overlap with)
 
-    def __init__(self, mode: str, graph_bucket: int = 64, max_graphs: int = 8, accumulation_steps: int = 1):
+    def __init__(self, mode: str, graph_bucket: int = 64, max_graphs: int = 8):
         self.mode = mode  # ForgeConfig.cuda_graph, graph_bucket, max_graphs
         self.graph_bucket, self.max_graphs = graph_bucket, max_graphs
-        self.accumulation_steps = accumulation_steps  # TrainingArguments.gradient_accumulation_steps
         self.window: list = []  # the raw micro-batches of the optimizer step under way (start_window)
         self.windows_run = 0  # optimizer steps begun with accumulation, eager ones included
         self._position = 0  # the next micro-batch's place in its window
@@ -120,9 +119,6 @@ class TrainerGraph:
             return "the optimizer is not a ForgeOptimizer"
         if optimizer.stop_on_nonfinite:
             return "stop_on_nonfinite=true reads a count on the host inside every step"
-        if optimizer.accumulate != (self.accumulation_steps > 1):
-            return (f"the ForgeOptimizer has accumulate={optimizer.accumulate} but gradient_accumulation_steps="
-                    f"{self.accumulation_steps}")
         return None
 
     def _disable(self, reason: str, warn: bool = True) -> None:
@@ -163,7 +159,7 @@ class TrainerGraph:
         taken in order instead (start_window). The next replay joins the last one itself: until
         then the new batch's checks and copies run beside the last backward."""
         self.steps_run += 1
-        if self.accumulation_steps > 1:
+        if micro_batches(trainer) > 1:
             loss = self._run_micro(trainer, model, num_items_in_batch)
         else:
             loss = self._run(trainer, model, inputs, num_items_in_batch)
@@ -246,7 +242,7 @@ class TrainerGraph:
         if step is None:
             self._plan = None
             return None
-        last = position == self.accumulation_steps - 1
+        last = position == step.accumulation_steps - 1
         try:
             loss = self._through_graph(trainer, step, shapes, inputs[position], last=last)
         except StaleGraph:  # checked at a window's first micro-batch: this window runs eagerly
@@ -261,10 +257,10 @@ class TrainerGraph:
         whole window runs eagerly."""
         if not self._ready(trainer, model) or self.windows_run < EAGER_STEPS:  # the Trainer's own first step
             return None
-        window = self.window
-        if len(window) != self.accumulation_steps:
+        window, count = self.window, micro_batches(trainer)
+        if len(window) != count:
             self._warn_once(f"a step of {len(window)} micro-batches, not gradient_accumulation_steps="
-                            f"{self.accumulation_steps} (an epoch's last), runs eagerly")
+                            f"{count} (an epoch's last), runs eagerly")
             return None
         if not model.training:
             model.train()
@@ -283,10 +279,9 @@ class TrainerGraph:
     def _new_step(self, trainer, model: nn.Module, shapes: tuple, warmup_steps: int) -> GraphedStep:
         if self.pool is None:
             self.pool = new_pool()
-        options = dict(accumulation_steps=self.accumulation_steps) if self.accumulation_steps > 1 else {}
         step = self.steps[shapes] = GraphedStep(_forward_module(model), trainer.forge_optimizer,
                                                 loss_fn=self._loss_fn(trainer, model), warmup_steps=warmup_steps,
-                                                pool=self.pool, **options)
+                                                pool=self.pool)
         return step
 
     @staticmethod
@@ -299,7 +294,7 @@ class TrainerGraph:
         accumulation)."""
         optimizer = trainer.forge_optimizer
         capturing = step.capturing
-        first = step.calls % self.accumulation_steps == 0  # a step's first micro-batch
+        first = step.calls % step.accumulation_steps == 0  # a step's first micro-batch
         started = time.perf_counter()
         try:
             loss = step.launch(inputs)
@@ -354,6 +349,13 @@ class TrainerGraph:
             return loss
 
         return loss_fn
+
+
+def micro_batches(trainer) -> int:
+    """The micro-batches of each optimizer step: the ForgeOptimizer's count (ForgeTrainer
+    builds it with gradient_accumulation_steps, or agrees a given one with it)."""
+    optimizer = trainer.forge_optimizer
+    return 1 if optimizer is None else max(optimizer.accumulation_steps, 1)
 
 
 def loss_is_scaled_for_accumulation(trainer, num_items_in_batch) -> bool:

@@ -29,7 +29,7 @@ from ..optim.patch import ADAPTER, BELOW_MIN_PARAMS, FLOAT16, FLOAT16_FIX, Patch
 from .batch_shapes import PaddingMaskCheck, causal_reason, take_mark, without_mask, without_varlen_keys
 from .captured_loss import captured_loss, loss_owner
 from .checkpoints import FORGE_SHARDED_OPTIMIZER, check_checkpoint, latest_checkpoint
-from .cuda_graph import TrainerGraph, skip_packing_check
+from .cuda_graph import TrainerGraph, micro_batches, skip_packing_check
 from .lean_loss import (
     check_lean_loss,
     is_causal_lm,
@@ -221,7 +221,7 @@ class ForgeTrainerMixin:
             graph_mode = "false"
         buckets = dict(graph_bucket=self.forge_config.graph_bucket, max_graphs=self.forge_config.max_graphs) \
             if self.forge_config else {}
-        self.forge_graph = TrainerGraph(graph_mode, accumulation_steps=self.args.gradient_accumulation_steps, **buckets)
+        self.forge_graph = TrainerGraph(graph_mode, **buckets)
         self.callback_handler.callbacks.insert(0, StepOrder(self))  # first: before the callbacks it orders
         # Clipping is the ForgeOptimizer's (max_grad_norm): the Trainer's own would see only the
         # ordinary gradients.
@@ -236,14 +236,16 @@ class ForgeTrainerMixin:
         if self.args.max_grad_norm:
             self.args = copy.copy(self.args)  # the caller's arguments stay as they were
             self.args.max_grad_norm = 0.0
-        given = self.forge_optimizer
-        if given is not None and (given.accumulate != (self.args.gradient_accumulation_steps > 1)
-                                  or given.max_grad_norm != self.forge_max_grad_norm):
-            raise ValueError(
-                f"the ForgeOptimizer given has accumulate={given.accumulate}, max_grad_norm={given.max_grad_norm}, but "
-                f"the arguments ask for gradient_accumulation_steps={self.args.gradient_accumulation_steps}, "
-                f"max_grad_norm={self.forge_max_grad_norm}: build it with ForgeOptimizer(..., accumulate="
-                f"{self.args.gradient_accumulation_steps > 1}, max_grad_norm={self.forge_max_grad_norm})")
+        given, micro = self.forge_optimizer, self.args.gradient_accumulation_steps
+        if given is not None:
+            spelled = given.accumulate  # as built, before the check takes the Trainer's count into accumulate=True
+            if given.agree_accumulation(micro, "gradient_accumulation_steps") is not None \
+                    or given.max_grad_norm != self.forge_max_grad_norm:
+                raise ValueError(
+                    f"the ForgeOptimizer given has accumulate={spelled}, max_grad_norm={given.max_grad_norm}, but "
+                    f"the arguments ask for gradient_accumulation_steps={micro}, max_grad_norm="
+                    f"{self.forge_max_grad_norm}: build it with ForgeOptimizer(..., accumulate="
+                    f"{micro > 1}, max_grad_norm={self.forge_max_grad_norm})")
 
     def _forge_takes_lean_loss(self) -> bool:
         """lean_loss: true (refused where it cannot train), auto (a causal LM, where nothing
@@ -272,7 +274,9 @@ class ForgeTrainerMixin:
         if self.optimizer is None:
             config = self.forge_config
             if not fused_layers(model):  # a model the user patched keeps their choices
-                self.forge_report = patch_model(model, config)
+                # the layers take the options; the hyperparameters reach the ForgeOptimizer once, as
+                # its arguments (_new_forge_optimizer), whoever patched the model
+                self.forge_report = patch_model(model, config.replace(hyperparameters={}))
                 if not self.forge_report.fused:
                     raise ValueError(nothing_fused_message(f"{PREFIX}{config.optimizer}", model, self.forge_report))
                 if config.recompute_swiglu != "false":
@@ -315,7 +319,7 @@ class ForgeTrainerMixin:
         config = self.forge_config
         decay = self.get_decay_parameter_names(model)  # Trainer's grouping, overrides included
         return ForgeOptimizer(model, decay_parameter_names=decay, stop_on_nonfinite=config.stop_on_nonfinite,
-                              accumulate=self.args.gradient_accumulation_steps > 1,
+                              accumulate=self.args.gradient_accumulation_steps,
                               max_grad_norm=self.forge_max_grad_norm, **config.hyperparameters)
 
     def forge_follow_fsdp2_prepare(self) -> None:
@@ -486,7 +490,7 @@ class ForgeTrainerMixin:
         if self.forge_graph.off is None:
             # with accumulation the graph takes the micro-batches of its window (get_batch_samples)
             graph_inputs = self._forge_model_inputs(inputs, captured=True) \
-                if self.forge_graph.accumulation_steps == 1 else None
+                if micro_batches(self) == 1 else None
             loss = self.forge_graph.run(self, model, graph_inputs, num_items_in_batch)
             if loss is not None:
                 return loss

@@ -64,10 +64,21 @@ class HeldGradient:
         else:
             self.stash.append((x2, dy2))
 
-    def tokens_and_gradients(self, joined: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def tokens_and_gradients(self, joined: dict | None = None,
+                             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The stash as one (tokens, in) and one (tokens, out) tensor, concatenated once: the
         clip's norm and the step read the same pair. ``joined`` (one optimizer step's) keeps
-        an input several layers hold (q/k/v's, gate/up's) concatenated once for all of them."""
+        an input several layers hold (q/k/v's, gate/up's) concatenated once for all of them.
+        ``scale`` (clipping's factor) multiplies the narrower of the two, rounded once more:
+        the pair's product is then the scaled gradient."""
+        x2, dy2 = self._joined(joined)
+        if scale is None:
+            return x2, dy2
+        if x2.shape[1] < dy2.shape[1]:
+            return (x2.float() * scale.to(x2.device)).to(x2.dtype), dy2
+        return x2, (dy2.float() * scale.to(dy2.device)).to(dy2.dtype)
+
+    def _joined(self, joined: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self.stash) > 1:
             xs = [x for x, _ in self.stash]
             key = tuple(id(x) for x in xs)  # safe: every layer's stash keeps its tensors alive until its turn

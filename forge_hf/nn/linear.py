@@ -212,11 +212,8 @@ class FusedWeightMixin:
         held = d.get("forge_held")
         if held is not None:  # the optimizer steps it (held_gradient.py)
             dp = self.forge_dp
-            if dp is not None:  # every rank's tokens now, as a step would take them; this rank's rows held
-                # (FSDP2: the rows of its shard, which the step updates in place)
-                x2, dy2 = dp.gather_tokens(x2, dy2)
-                start, stop = dp.rows(self.forge_weight_view().shape[0])
-                dy2 = dy2[:, start:stop]
+            if dp is not None:  # gathered now, as a step would take them (FSDP2: its shard's rows)
+                x2, dy2 = self.forge_gather(x2, dy2)
             held.add(x2, dy2, gathered=dp is not None)
             d["_forge_updates"] = d.get("_forge_updates", 0) + 1
             return True
@@ -399,8 +396,7 @@ class FusedWeightMixin:
         if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
             start, stop = dp.rows(weight.shape[0])
             if not gathered:
-                x2, dy2 = dp.gather_tokens(x2, dy2)
-                dy2 = dy2[:, start:stop]
+                x2, dy2 = self.forge_gather(x2, dy2)
             if dp.mode == "fsdp":  # not a band of the gathered copy: the update must land in the shard
                 weight = param = dp.local_shard()
             else:  # the same band of the parameter itself: its columns when stored (in, out)
@@ -417,6 +413,30 @@ class FusedWeightMixin:
             self.forge_launcher(weight, state)(x2, dy2, args, stats)
         if dp is not None:
             dp.share_rows(self.forge_weight_view().data)
+
+    def forge_gather(self, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Data parallel: every rank's tokens, and of dy2 the columns of the rows this rank steps."""
+        dp = self.forge_dp
+        x2, dy2 = dp.gather_tokens(x2, dy2)
+        start, stop = dp.rows(self.forge_weight_view().shape[0])
+        return x2, dy2[:, start:stop]
+
+    def forge_step_held(self, step_gradient, scale: torch.Tensor | None = None, joined: dict | None = None) -> None:
+        """Step the weight from what it held since the last step (held_gradient.py), times
+        ``scale`` (clipping's factor), and hold nothing after: a token stash through the fused
+        kernel over every held token; an fp32 buffer through ``step_gradient(g)``, the
+        optimizer's step of a whole gradient in the weight's layout (the one a fallback's
+        ``weight.grad`` takes), whose (squared sum, skipped) join this layer's statistics as a
+        fused backward's sums do. ``joined`` as for HeldGradient.tokens_and_gradients."""
+        hold = self.forge_held
+        if hold.buffer is not None:
+            g = hold.buffer if scale is None else hold.buffer * scale.to(hold.buffer.device)
+            p_sq, p_bad = step_gradient(g.t() if self.forge_transposed else g)
+            self.forge_stats += torch.stack([p_sq.float(), p_bad.float()]).to(self.forge_stats.device)
+        else:
+            x2, dy2 = hold.tokens_and_gradients(joined, scale)
+            self.forge_fused_step(x2, dy2, gathered=hold.gathered)
+        hold.clear()
 
     def forge_salt(self) -> int:
         """The 32-bit key of this layer's stochastic-rounding stream."""

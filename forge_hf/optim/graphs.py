@@ -15,7 +15,7 @@ differently under capture (cuBLAS chooses its algorithms with another workspace)
         loss = step(batch)         # a 0-dim tensor; .item() when you want to print it
         scheduler.step()
 
-    step = GraphedStep(model, ForgeOptimizer(model, accumulate=True, max_grad_norm=1.0), accumulation_steps=4)
+    step = GraphedStep(model, ForgeOptimizer(model, accumulate=4, max_grad_norm=1.0))
     for i, batch in enumerate(micro_batches):
         loss = step(batch)         # the 4th, 8th, ... call clips and steps
         if i % 4 == 3:
@@ -28,8 +28,9 @@ captures the layers' token and row all-gathers with everything else. Each rank's
 must keep one shape, as on one GPU: the token counts exchanged in the warm-up are then
 the counts of every replay.
 
-Gradient accumulation (``GraphedStep(..., accumulation_steps=k)`` with a ForgeOptimizer built
-with ``accumulate=True``): each call is one micro-batch, and the k-th call of each step steps.
+Gradient accumulation (a ForgeOptimizer built with ``accumulate=k``, or with ``accumulate=True``
+and ``GraphedStep(..., accumulation_steps=k)``): each call is one micro-batch, and the k-th call
+of each step steps.
 The step is captured as k graphs, one per micro-batch, in one memory pool and replayed in the
 order they were captured: what the fused layers hold between micro-batches (their token stash
 or gradient buffer, held_gradient.py) and the other parameters' gradients stay at the
@@ -126,7 +127,7 @@ class _Micro:
 
 
 class GraphedStep:
-    """``GraphedStep(model, optimizer, loss_fn=causal_lm_loss, warmup_steps=2, accumulation_steps=1)``.
+    """``GraphedStep(model, optimizer, loss_fn=causal_lm_loss, warmup_steps=2, accumulation_steps=None)``.
 
     ``loss_fn(model, batch)`` returns the loss; the default is ``loss.causal_lm_loss``
     (Hugging Face's causal-LM loss without its fp32 copy of the logits, and without a read
@@ -156,24 +157,27 @@ class GraphedStep:
         pool: a memory pool (``torch.cuda.graph_pool_handle()``) shared with the steps of the
             model's other batch shapes; None: the step's own.
         accumulation_steps: micro-batches a step (each call one of them; each keeps the shapes
-            of the micro-batch at its place in the captured step); above 1 the optimizer must
-            be built with ``accumulate=True``. Each micro-batch's loss is backpropagated as
+            of the micro-batch at its place in the captured step); default: the optimizer's
+            count (its ``accumulate``), which a number given here must equal, unless it was
+            built with ``accumulate=True``. Each micro-batch's loss is backpropagated as
             ``loss_fn`` returns it: divide it by k there for the mean over the step.
     """
 
     def __init__(self, model: nn.Module, optimizer: ForgeOptimizer,
                  loss_fn: Callable[[nn.Module, dict], torch.Tensor] = causal_lm_loss, warmup_steps: int = 2,
-                 pool: tuple | None = None, accumulation_steps: int = 1):
+                 pool: tuple | None = None, accumulation_steps: int | None = None):
         if not isinstance(optimizer, ForgeOptimizer):
             raise TypeError(f"GraphedStep needs the model's ForgeOptimizer, got {type(optimizer).__name__}")
         if warmup_steps < 0 or (warmup_steps == 0 and not any(s.allocated for s in optimizer.state.values())):
             raise ValueError(f"warmup_steps={warmup_steps}: an eager step of this model and optimizer must compile "
                              "the kernels and allocate the states before a capture: give warmup_steps >= 1")
+        if accumulation_steps is None:  # the optimizer's (one micro-batch where it leaves the count to the loop)
+            accumulation_steps = max(optimizer.accumulation_steps, 1)
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps!r}: give the micro-batches a step, an int >= 1")
-        if accumulation_steps > 1 and not optimizer.accumulate:
-            raise ValueError(f"accumulation_steps={accumulation_steps}, but the ForgeOptimizer steps the fused layers "
-                             "in every backward: build it with ForgeOptimizer(model, ..., accumulate=True)")
+        conflict = optimizer.agree_accumulation(accumulation_steps)
+        if conflict is not None:
+            raise ValueError(conflict)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise TypeError("GraphedStep takes the model DDP wraps, not the DDP wrapper: DDP's gradient reducer "
                             "is not captured; the graphed step averages the non-fused gradients itself")
@@ -195,7 +199,6 @@ class GraphedStep:
         if self.data_parallel:
             broadcast_parameters(model, self.dp_group)
         self.warmup_steps = int(warmup_steps)
-        self.accumulation_steps = accumulation_steps
         self.pool = pool
         self.calls = 0  # micro-batches seen (calls), warm-up included
         self.micros: list[_Micro] = []  # the captured micro-batches of a step, in order
@@ -203,6 +206,11 @@ class GraphedStep:
         self.addresses: CapturedAddresses | None = None  # set by the capture of the step's last micro-batch
         self._device = device
         self._replaying = False  # a replay the current stream has not been ordered after
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches a step: the optimizer's count."""
+        return self.optimizer.accumulation_steps
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

@@ -11,6 +11,8 @@ with the same state (ForgeState) and stores, so each rule stays written once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -37,6 +39,7 @@ from .tensor_parallel import all_reduce_over, settle_gradients
 # Trainer.get_decay_parameter_names (transformers 5.x): no weight decay for biases and norms.
 # data-parallel modes in which a fused layer holds and steps only its rows (optim/distributed.py, optim/fsdp.py)
 SHARDED_MODES = ("sharded", "fsdp")
+LOOP_SAYS = 0  # accumulation_steps of ForgeOptimizer(accumulate=True): the loop that drives it gives the count
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
@@ -84,9 +87,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             Face's grouping: not biases and norms).
         stop_on_nonfinite: raise FloatingPointError after a step that skipped a non-finite
             tile (default: the patch's ForgeConfig, False).
-        accumulate: the fused layers hold their weight gradient over the backwards until
-            ``step()`` (gradient accumulation: call ``step()`` after the last micro-batch's
-            backward); how, the patch's ForgeConfig ``accumulation`` says.
+        accumulate: the micro-batches of each step (gradient accumulation: call ``step()``
+            after the last one's backward): an int k (1: none, each backward steps), or True
+            for as many as the loop that drives it says (GraphedStep's ``accumulation_steps``,
+            the Trainer's ``gradient_accumulation_steps``); False is 1. Above 1 (or True) the
+            fused layers hold their weight gradient over the backwards until ``step()``; how,
+            the patch's ForgeConfig ``accumulation`` says. ``accumulation_steps`` is the count.
         max_grad_norm: clip the whole gradient, fused and ordinary parameters together, to this
             global norm before any weight moves, as ``torch.nn.utils.clip_grad_norm_`` does
             (0: no clipping). The fused layers then hold their gradient until ``step()`` too.
@@ -101,7 +107,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, lr: float | None = None, *, decay_parameter_names=None,
-                 stop_on_nonfinite: bool | None = None, accumulate: bool = False, max_grad_norm: float = 0.0,
+                 stop_on_nonfinite: bool | None = None, accumulate: bool | int = False, max_grad_norm: float = 0.0,
                  **hyperparameters):
         layers = fused_layers(model)
         if not layers:
@@ -121,6 +127,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             config = config.replace(stop_on_nonfinite=stop_on_nonfinite)
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r}: give a number >= 0 (0: no clipping)")
+        if not isinstance(accumulate, int) or (not isinstance(accumulate, bool) and accumulate < 1):
+            raise ValueError(f"accumulate={accumulate!r}: give the micro-batches a step, an int >= 1, "
+                             "or True (as many as the loop says)")
         defaults = config.group()
         rule = config.rule
 
@@ -169,15 +178,32 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if p in self._layers:
                     self._layers[p].forge_group = group
         self.max_grad_norm = float(max_grad_norm)
-        self.accumulate = bool(accumulate)
-        # accumulating or clipping: each fused layer holds its gradient until step() (held_gradient.py)
+        # the one count of micro-batches a step; LOOP_SAYS until a loop gives it (agree_accumulation)
+        self.accumulation_steps = LOOP_SAYS if accumulate is True else int(accumulate) or 1
+        # whether the fused layers hold their gradient until step() (accumulating or clipping), fixed here:
+        # each one holds it from now on (held_gradient.py)
+        self.holds_updates = self.accumulation_steps != 1 or self.max_grad_norm > 0
         for layer in self._layers.values():
             layer.forge_held = HeldGradient(config.accumulation) if self.holds_updates else None
 
     @property
-    def holds_updates(self) -> bool:
-        """Whether the fused layers hold their gradient until ``step()`` (accumulating or clipping)."""
-        return self.accumulate or self.max_grad_norm > 0
+    def accumulate(self) -> bool | int:
+        """The count as the constructor spells it: False (1), True (the loop's, not given yet) or k."""
+        count = self.accumulation_steps
+        return True if count == LOOP_SAYS else False if count == 1 else count
+
+    def agree_accumulation(self, steps: int, setting: str = "accumulation_steps") -> str | None:
+        """The one check of a loop that runs ``steps`` micro-batches a step (its ``setting``)
+        and steps this optimizer after the last (GraphedStep, ForgeTrainer): why it cannot, or
+        None. Built with ``accumulate=True``, the optimizer takes the first such loop's count."""
+        if self.accumulation_steps == LOOP_SAYS:
+            self.accumulation_steps = steps
+        if steps == self.accumulation_steps:
+            return None
+        if self.accumulation_steps == 1:
+            return (f"{setting}={steps}, but the ForgeOptimizer steps the fused layers in every backward: "
+                    f"build it with ForgeOptimizer(model, ..., accumulate=True) or accumulate={steps}")
+        return f"{setting}={steps}, but the ForgeOptimizer was built with accumulate={self.accumulate}"
 
     def params(self) -> list[torch.Tensor]:
         """Every parameter, in state_dict's numbering (param_groups' order)."""
@@ -299,21 +325,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 g = p.grad.to_local() if p in self._shards else p.grad  # a DTensor: its own piece
                 g.mul_(scale.to(g.device))
             self._embeddings.scale(scale)
-        for p, layer in held:
-            hold = layer.forge_held
-            if hold.buffer is not None:
-                g = hold.buffer if scale is None else hold.buffer * scale.to(hold.buffer.device)
-                p_sq, p_bad = self._step_tensor(p, layer.forge_group, grad=g.t() if layer.forge_transposed else g)
-                layer.forge_stats += torch.stack([p_sq.float(), p_bad.float()]).to(layer.forge_stats.device)
-            else:
-                x2, dy2 = hold.tokens_and_gradients(joined)
-                if scale is not None:  # the narrower of the two, rounded once more when scaled
-                    if x2.shape[1] < dy2.shape[1]:
-                        x2 = (x2.float() * scale.to(x2.device)).to(x2.dtype)
-                    else:
-                        dy2 = (dy2.float() * scale.to(dy2.device)).to(dy2.dtype)
-                layer.forge_fused_step(x2, dy2, gathered=hold.gathered)
-            hold.clear()
+        for p, layer in held:  # a stash or a buffer alike: the layer knows which it holds
+            layer.forge_step_held(functools.partial(self._step_gradient, p, layer.forge_group), scale, joined)
         return norm
 
     def _held_norm(self, held, joined: dict) -> torch.Tensor:
@@ -425,6 +438,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             sq += reference_rule_rows(self.rule.name, w2, g2[rows].float(), plain, rows, consts, ok,
                                       self._salt[p], state.step, self.stochastic, row0)
         return torch.where(ok, sq, 0.0), (~ok).float()
+
+    def _step_gradient(self, p: torch.Tensor, group: dict, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``p`` stepped from a whole gradient in p's layout (a fused layer's held buffer):
+        (its squared sum, 1 if it was skipped)."""
+        return self._step_tensor(p, group, grad=grad)
 
     def _add_to_batch(self, p: torch.Tensor, group: dict, batches: dict) -> bool:
         """Queue ``p``'s rule step in the launch of its batch_kind (one launch for all of

@@ -420,6 +420,27 @@ def test_a_given_optimizer_must_hold_as_the_arguments_ask(tmp_path):
                      train_dataset=dataset(), optimizers=(optimizer, None))
 
 
+def test_the_optimizer_takes_the_hyperparameters_and_the_micro_batch_count_once(tmp_path):
+    """ForgeTrainer hands learning_rate (and the other hyperparameters) to the ForgeOptimizer
+    alone: the patched layers carry the options, not a second copy of them; the micro-batches
+    a step are the optimizer's count, which a given optimizer built with accumulate=True or
+    accumulate=k takes from, or agrees with, gradient_accumulation_steps."""
+    args = training_args(tmp_path, gradient_accumulation_steps=2, learning_rate=3e-3)
+    trainer = ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
+    trainer.create_optimizer()
+    optimizer = trainer.forge_optimizer
+    assert optimizer.accumulation_steps == 2 and optimizer.holds_updates
+    assert all(group["lr"] == 3e-3 for group in optimizer.param_groups)
+    assert all(m.forge_config.hyperparameters == {} for m in fused_layers(trainer.model).values())
+    for accumulate in (True, 2):
+        model = tiny_llama()
+        forge_hf.patch_model(model, optimizer="adamw", backend="reference", min_params=0)
+        given = forge_hf.ForgeOptimizer(model, lr=1e-3, accumulate=accumulate)
+        ForgeTrainer(model=model, args=training_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=0.0),
+                     train_dataset=dataset(), optimizers=(given, None))
+        assert given.accumulation_steps == 2
+
+
 # ------------------------------------------------------------- registration
 
 

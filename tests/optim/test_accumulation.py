@@ -183,6 +183,31 @@ def test_bad_settings_are_refused():
         patch_model(odd_llama(), optimizer="adamw", accumulation="sometimes")
 
 
+def test_the_micro_batches_a_step_are_the_optimizers_one_count():
+    """accumulate: False is 1, k is k, True leaves the count to the first loop that gives one
+    (GraphedStep, ForgeTrainer); agree_accumulation is the one check of a loop's count."""
+    def built(accumulate):
+        model = odd_llama()
+        patch_model(model, optimizer="adamw", backend="reference", min_params=0)
+        return ForgeOptimizer(model, accumulate=accumulate)
+
+    for bad in (0, -2, 1.5, "2"):
+        with pytest.raises(ValueError, match=f"accumulate={bad!r}: give the micro-batches a step"):
+            built(bad)
+    plain, four, loop = built(False), built(4), built(True)
+    assert (plain.accumulation_steps, plain.accumulate, plain.holds_updates) == (1, False, False)
+    assert (four.accumulation_steps, four.accumulate, four.holds_updates) == (4, 4, True)
+    assert loop.accumulate is True and loop.holds_updates
+    assert plain.agree_accumulation(1) is None and four.agree_accumulation(4) is None
+    assert "build it with ForgeOptimizer(model, ..., accumulate=True) or accumulate=2" in plain.agree_accumulation(2)
+    assert four.agree_accumulation(2, "gradient_accumulation_steps") == (
+        "gradient_accumulation_steps=2, but the ForgeOptimizer was built with accumulate=4")
+    assert loop.agree_accumulation(3) is None and loop.accumulation_steps == 3  # the loop's count, from now on
+    assert loop.agree_accumulation(2) is not None
+    layer = next(m for m in four.param_groups[0]["params"] if m in four._layers)
+    assert four._layers[layer].forge_held is not None
+
+
 def test_without_accumulation_or_clipping_the_backward_steps():
     model = odd_llama()
     patch_model(model, optimizer="adamw", backend="reference", min_params=0)
