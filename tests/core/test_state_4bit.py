@@ -3,13 +3,9 @@ backends writing the same codes and scales for every rule, shapes that are not m
 the tile or the group, skipped non-finite tiles, checkpoints resuming bit for bit, the
 memory, and the refusals."""
 
-import io
-
 import pytest
 import torch
-from transformers.pytorch_utils import Conv1D
 
-from forge_hf import ForgeLinear
 from forge_hf.core import codecs
 from forge_hf.core.codecs import CODECS, GROUP4, QuantisedSlot, decode, encode
 from forge_hf.core.config import ForgeConfig
@@ -17,9 +13,9 @@ from forge_hf.core.rules import RULES, get_rule
 from forge_hf.core.state import ForgeState
 from forge_hf.kernels.launch.gluon_launch import weight_layout_unsupported
 from forge_hf.kernels.triton.fused_update import fused_launch_arguments
-from forge_hf.nn.conv1d import ForgeConv1D
 from forge_hf.optim import four_bit_maps
-from tests.helpers import DEVICE, exact_inputs
+from tests.core.test_state_8bit import _reloaded
+from tests.helpers import DEVICE, exact_inputs, stepped_layer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -32,19 +28,9 @@ EXACT = DEVICE.type == "cpu"
 
 
 def _trained(backend, rule="adamw", steps=3, shape=(70, 130), conv1d=False, tokens=45, **options):
-    gen = torch.Generator().manual_seed(5)
-    torch.manual_seed(5)
-    n_out, n_in = shape
     options = {"optimizer": rule, "state_precision": "log4", "seed": 11, "backend": backend, "lr": LR,
                **EXTRA.get(rule, {}), **options}
-    if conv1d:
-        layer = ForgeConv1D.from_conv1d(Conv1D(n_out, n_in).to(DEVICE), **options)
-    else:
-        layer = ForgeLinear.from_linear(torch.nn.Linear(n_in, n_out, bias=False, device=DEVICE), **options)
-    for _ in range(steps):
-        x, dy = exact_inputs((tokens, n_in), n_out, generator=gen, device=DEVICE)
-        layer(x).backward(dy)
-    return layer
+    return stepped_layer(options, steps, conv1d, shape, tokens)
 
 
 def _assert_slots_agree(a, b, what):
@@ -54,13 +40,6 @@ def _assert_slots_agree(a, b, what):
         assert torch.equal(a.codes, b.codes) and torch.equal(scales_a, scales_b), what
     else:
         assert (a.codes == b.codes).float().mean() >= 0.99 and (scales_a == scales_b).float().mean() >= 0.99, what
-
-
-def _reloaded(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf)
 
 
 # --------------------------------------------------------------- the codec
@@ -155,15 +134,14 @@ def test_checkpoint_resumes_bit_for_bit(resume_backend):
     a = _trained(resume_backend, steps=2, shape=(33, 71))
     sd = _reloaded(a.forge_state.state_dict())
     assert sd["precision"] == "log4" and (sd["exp_avg_codec"], sd["exp_avg_sq_codec"]) == ("slog4", "log4")
-    b = ForgeLinear.from_linear(torch.nn.Linear(71, 33, bias=False, device=DEVICE), state_precision="log4",
-                                seed=11, lr=LR, backend=resume_backend)
+    b = _trained(resume_backend, steps=0, shape=(33, 71))
     b.weight.data.copy_(a.weight.data)
     b.forge_state.load_state_dict(sd, b.weight)
     gen = torch.Generator().manual_seed(9)
-    for _ in range(2):
-        x, dy = exact_inputs((20, 71), 33, generator=gen, device=DEVICE)
-        a(x).backward(dy)
-        b(x).backward(dy)
+    batches = [exact_inputs((20, 71), 33, generator=gen, device=DEVICE) for _ in range(2)]
+    for layer in (a, b):
+        for x, dy in batches:
+            layer(x).backward(dy)
     assert torch.equal(a.weight, b.weight)
     for sa, sb in zip(a.forge_state.slots[:2], b.forge_state.slots[:2]):
         assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.meta, sb.meta)
