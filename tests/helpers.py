@@ -144,3 +144,24 @@ def write_checkpoint(path: Path) -> Path:
     torch.save({"last_epoch": 1}, path / "scheduler.pt")
     torch.save({"cpu": torch.random.get_rng_state()}, path / "rng_state.pth")
     return path
+
+
+def stepped_layer(options: dict, steps: int = 3, conv1d: bool = False, shape=(70, 130), tokens: int = 45):
+    """A fused Linear (or Conv1D) of ``shape`` (out, in) made with forge ``options`` and stepped
+    ``steps`` times on exact_inputs, the same ones for the same arguments."""
+    from transformers.pytorch_utils import Conv1D
+
+    from forge_hf import ForgeLinear
+    from forge_hf.nn.conv1d import ForgeConv1D
+
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    n_out, n_in = shape
+    if conv1d:
+        layer = ForgeConv1D.from_conv1d(Conv1D(n_out, n_in).to(DEVICE), **options)
+    else:
+        layer = ForgeLinear.from_linear(torch.nn.Linear(n_in, n_out, bias=False, device=DEVICE), **options)
+    for _ in range(steps):
+        x, dy = exact_inputs((tokens, n_in), n_out, generator=gen, device=DEVICE)
+        layer(x).backward(dy)
+    return layer

@@ -4,8 +4,9 @@ mu_product). ``state_dict`` is what optimizer checkpoints carry.
 
 A slot is an fp32 or bf16 tensor in the parameter's shape and layout, or, for the 8-bit
 precisions, a codecs.QuantisedSlot (codes in that layout, per-block metadata in logical
-(out, in / 64) coordinates). The codec of a slot follows from the precision and whether the
-rule's slot is signed (rules.Rule.slot_signed).
+(out, in / 64) coordinates); for log4, packed codes in logical (out, in / 2) layout. The
+codec of a slot follows from the precision and whether the rule's slot is signed
+(rules.Rule.slot_signed).
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def _logical(slot, transposed: bool):
     if isinstance(slot, QuantisedSlot):
         return slot.logical(transposed)
     return slot.t() if transposed else slot
+
+
+def check_group(rule: Rule, precision: str, group: dict) -> None:
+    """Refuse a rule's hyperparameters the precision cannot serve, in one line."""
+    if precision == "log4" and rule.name == "rmsprop" and group.get("centered"):
+        # square_avg - grad_avg**2 of two 4-bit states (a code a factor 2 from the next) can
+        # turn negative: a NaN square root
+        raise ValueError("state_precision='log4' cannot serve rmsprop with centered=True (square_avg - grad_avg**2 "
+                         "of 4-bit states may turn negative): use centered=False, or state_precision='int8' or 'bf16'")
 
 
 class ForgeState:
@@ -73,7 +83,7 @@ class ForgeState:
         slot = QuantisedSlot.empty_like(param, codec, self.transposed)  # all zeros
         if fill != 0.0:
             view = slot.logical(self.transposed)
-            view.write(torch.full(view.codes.shape, fill, device=param.device))
+            view.write(torch.full((view.codes.shape[0], view.in_features()), fill, device=param.device))
         return slot
 
     def allocate(self, param: torch.Tensor, group: dict, transposed: bool | None = None) -> None:
@@ -83,6 +93,11 @@ class ForgeState:
             self.transposed = transposed
         if self.allocated:
             return
+        check_group(self.rule, self.stored_precision, group)
+        if slot_codec(self.stored_precision, True) is not None and param.dim() != 2:
+            raise ValueError(f"state_precision={self.stored_precision!r} quantises a fused layer's 2-d weight along "
+                             f"its rows, not a {tuple(param.shape)} tensor: give it ForgeState(..., transposed=None) "
+                             "(16-bit states) or state_precision='bf16'")
         inits = self.rule.slot_init(group)
         for i, needed in enumerate(self.rule.slots(group)):
             if needed:
@@ -133,7 +148,9 @@ class ForgeState:
         codec = sd.get(f"{name}_codec")
         if codec is not None:
             meta = sd[f"{name}_meta"].to(param.device)
-            saved = QuantisedSlot(saved_codec(codec, meta), saved, meta)
+            # in_features: 4-bit codes do not tell an odd one
+            width = param.shape[0 if self.transposed else -1] if param.dim() == 2 else None
+            saved = QuantisedSlot(saved_codec(codec, meta), saved, meta, width)
             if saved.codec.kind == LEGACY_AL8:
                 warnings.warn(f"the al8 state of forge_hf 0.1.0 ({name}) is stored again in this version's al8 "
                               f"codes (a grid on the float's bits): its values move by up to a step", stacklevel=4)

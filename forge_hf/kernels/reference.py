@@ -18,6 +18,14 @@ from ..core.rules import NUM_SCALARS, RULES, bind_update
 RULE_UPDATES = {name: bind_update(rule, torch) for name, rule in RULES.items()}
 
 
+def code_bits(slot: QuantisedSlot, elem: torch.Tensor, salt: int, step: int, slot_id: int, stochastic: bool):
+    """The random bits a quantised slot's codes round with (None: to nearest): al8 the whole
+    element hash, 4-bit codes the slot's 16 bits, as a bf16 state's (kernels/triton/state_tiles.py)."""
+    if not (stochastic and slot.codec.stochastic):
+        return None
+    return random_bits(elem, salt, step, slot_id) if slot.codec.bits == 4 else hash_word(elem, salt, step)
+
+
 def round_to_bf16(x: torch.Tensor, elem: torch.Tensor, salt: int, step: int, slot: int,
                   stochastic: bool) -> torch.Tensor:
     """fp32 -> bf16 in the integer domain, as kernels/triton/bf16_bits.py:fp32_to_bf16_bits."""
@@ -50,7 +58,7 @@ def reference_fused_update(
     row0 = int(args_cpu[NUM_SCALARS + 2].item())
     N, K = weight.shape
     BN, BK, _ = blocks
-    if BK % BLOCK and any(isinstance(s, QuantisedSlot) for s in slots):
+    if any(isinstance(s, QuantisedSlot) and BK % max(BLOCK, s.codec.group) for s in slots):
         raise ValueError(f"reference BLOCK_K={BK} splits {BLOCK}-element codec blocks: use a multiple of {BLOCK}")
     xf = x.float()
     dyf = dy.float()
@@ -76,8 +84,7 @@ def reference_fused_update(
                 if dst is None:
                     continue
                 if isinstance(dst, QuantisedSlot):
-                    stochastic_codes = stochastic and dst.codec.stochastic
-                    dst.write(value, rows, cols, hash_word(elem, salt, step) if stochastic_codes else None)
+                    dst.write(value, rows, cols, code_bits(dst, elem, salt, step, slot_id, stochastic))
                     continue
                 if dst.dtype == torch.bfloat16:
                     value = round_to_bf16(value, elem, salt, step, slot_id, stochastic)
@@ -102,8 +109,7 @@ def reference_rule_rows(rule_name: str, w2: torch.Tensor, g: torch.Tensor, slots
         if dst is None:
             continue
         if isinstance(dst, QuantisedSlot):
-            stochastic_codes = stochastic and dst.codec.stochastic
-            dst.write(value, rows, bits=hash_word(elem, salt, step) if stochastic_codes else None)
+            dst.write(value, rows, bits=code_bits(dst, elem, salt, step, slot_id, stochastic))
             continue
         if dst.dtype == torch.bfloat16:
             value = round_to_bf16(value, elem, salt, step, slot_id, stochastic)

@@ -46,7 +46,8 @@ def round_trip(x: torch.Tensor, precision: str, signed: bool, rounding: str = "n
     if codec is None:
         return x.to({"fp32": torch.float32, "bf16": torch.bfloat16}[precision]).float()
     stochastic = rounding == "stochastic" and codec.stochastic
-    words = torch.randint(0, 2**32, x.shape, generator=generator, device=x.device) if stochastic else None
+    span = 2**16 if codec.bits == 4 else 2**32  # a slot's 16 hash bits, or al8's whole word
+    words = torch.randint(0, span, x.shape, generator=generator, device=x.device) if stochastic else None
     return decode(codec, *encode(codec, x, words))
 
 
@@ -85,7 +86,7 @@ def quantization_report(states: dict | None = None, grad: torch.Tensor | None = 
     ForgeConfig(state_precision=precision)  # a bad precision raises, naming the choices
     if precision == "auto":
         raise ValueError("quantization_report measures one storage precision, and 'auto' picks one by the weights' "
-                         "dtype: give precision='bf16' (auto's pick for bf16 weights), 'fp32', 'int8' or 'al8'")
+                         "dtype: give precision='bf16' (auto's pick for bf16 weights), 'fp32', 'int8', 'al8' or 'log4'")
     r = get_rule(rule)
     hyperparameters = {"lr": 1.0, "weight_decay": 0.0, **hyperparameters}
     if states is None:
@@ -112,3 +113,52 @@ def quantization_report(states: dict | None = None, grad: torch.Tensor | None = 
         report.relative_l2[name] = float((stored[name] - value).norm() / value.norm().clamp_min(1e-30))
         report.e_upd_slot[name] = e_upd({**states, name: stored[name]})
     return report
+
+
+# ------------------------------------------------------------ along a trajectory
+
+
+def trajectory_gradients(shape=(256, 1024), steps: int = 300, seed: int = 0):
+    """Gradients with the structure of a transformer linear's (a generator of ``steps``):
+    log-normal row and column scales with a few outlier columns (x16), a persistent signal
+    under heavy-tailed (Student-t, 3 dof) noise, and a fifth of the columns (rare inputs)
+    active in 5% of the steps only, zero otherwise."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    col = torch.exp2(1.5 * torch.randn(cols, generator=gen))
+    col[torch.randperm(cols, generator=gen)[: max(1, cols // 100)]] *= 16.0
+    scale = 1e-3 * torch.exp2(torch.randn(rows, 1, generator=gen)) * col
+    signal = 0.3 * torch.randn(shape, generator=gen)
+    rare = torch.rand(cols, generator=gen) < 0.2
+    student = torch.distributions.StudentT(3.0)
+    for _ in range(steps):
+        noise = student.sample(shape).clamp(-20.0, 20.0)  # the global RNG: seeded below
+        active = ~rare | (torch.rand(cols, generator=gen) < 0.05)
+        yield scale * (signal + noise) * active
+
+
+def trajectory_error(store: dict, rule: str = "adamw", shape=(256, 1024), steps: int = 300, seed: int = 0,
+                     **hyperparameters) -> dict:
+    """E_upd along ``steps`` of trajectory_gradients: the rule run twice on the same gradients,
+    once on fp32 states, once storing each slot named in ``store`` ({slot: x -> stored x}) after
+    every step, as a fused layer does. {"mean": over the second half of the steps, "last"}."""
+    r = get_rule(rule)
+    group = make_group(r, {"lr": 1.0, "weight_decay": 0.0, **hyperparameters})
+    update = TORCH_RULE_UPDATES[r.name]
+    host = r.host_init()
+    torch.manual_seed(seed)
+    exact = quant = None
+    errors = []
+    for g in trajectory_gradients(shape, steps, seed):
+        if exact is None:
+            init = r.slot_init(group)
+            exact = [torch.full_like(g, init[i]) if i < len(r.slot_names) else torch.zeros_like(g) for i in range(3)]
+            quant = [s.clone() for s in exact]
+        consts = torch.tensor(r.prepare(group, host), dtype=torch.float32).unbind()
+        zero = torch.zeros_like(g)
+        u, *exact = update(zero, g, *exact, *consts)
+        uq, *quant = update(zero, g, *quant, *consts)
+        quant = [store[n](s) if n in store else s for n, s in zip((*r.slot_names, "", "", ""), quant)]
+        errors.append(float((uq - u).norm() / (u.norm() + 1e-30)))
+    half = errors[len(errors) // 2:]
+    return {"mean": sum(half) / len(half), "last": errors[-1]}

@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.pytorch_utils import Conv1D
 
 from forge_hf import ForgeLinear
 from forge_hf.core import codecs
@@ -19,11 +18,10 @@ from forge_hf.core.state import ForgeState
 from forge_hf.kernels.dispatch import launch_fused_update
 from forge_hf.kernels.reference import reference_fused_update
 from forge_hf.kernels.runtime.launch_args import pack_args
-from forge_hf.nn.conv1d import ForgeConv1D
 from forge_hf.optim.optimizer import ForgeOptimizer
 from forge_hf.optim.patch import patch_model
 from forge_hf.optim.quantization import round_trip
-from tests.helpers import DEVICE, exact_inputs
+from tests.helpers import DEVICE, exact_inputs, stepped_layer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -34,19 +32,8 @@ LR = 1e-2
 
 def _trained(precision, backend, rule="adamw", steps=3, conv1d=False, shape=(70, 130), tokens=45):
     """A layer stepped ``steps`` times; the gradients do not depend on summation order."""
-    gen = torch.Generator().manual_seed(5)
-    torch.manual_seed(5)
-    n_out, n_in = shape
-    options = dict(optimizer=rule, state_precision=precision, seed=11, backend=backend, lr=LR,
-                   **EXTRA.get(rule, {}))
-    if conv1d:
-        layer = ForgeConv1D.from_conv1d(Conv1D(n_out, n_in).to(DEVICE), **options)
-    else:
-        layer = ForgeLinear.from_linear(torch.nn.Linear(n_in, n_out, bias=False, device=DEVICE), **options)
-    for _ in range(steps):
-        x, dy = exact_inputs((tokens, n_in), n_out, generator=gen, device=DEVICE)
-        layer(x).backward(dy)
-    return layer
+    options = dict(optimizer=rule, state_precision=precision, seed=11, backend=backend, lr=LR, **EXTRA.get(rule, {}))
+    return stepped_layer(options, steps, conv1d, shape, tokens)
 
 
 def _assert_slots_agree(a, b, what):

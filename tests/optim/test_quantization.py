@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from forge_hf.core.codecs import CODECS, decode, encode
-from forge_hf.optim.quantization import SPREADS, quantization_report, round_trip, synthetic_states
+from forge_hf.optim.quantization import (
+    SPREADS,
+    quantization_report,
+    round_trip,
+    synthetic_states,
+    trajectory_error,
+)
 
 ABSMAX8 = CODECS["absmax8"]
 
@@ -120,7 +126,8 @@ def test_stochastic_codes_are_reported_with_their_larger_error():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(precision="fp8"), r"unknown state_precision='fp8': choose one of \['auto', 'fp32', 'bf16', 'int8', 'al8'\]"),
+    (dict(precision="fp8"),
+     r"unknown state_precision='fp8': choose one of \['auto', 'fp32', 'bf16', 'int8', 'al8', 'log4'\]"),
     (dict(precision="auto"), r"measures one storage precision, and 'auto' picks one by the weights' dtype: give "),
     (dict(spread="huge"), r"unknown spread='huge': choose one of \['narrow', 'medium', 'wide'\]"),
     (dict(rule="adam"), r"unknown optimizer 'adam' for forge"),
@@ -129,3 +136,22 @@ def test_stochastic_codes_are_reported_with_their_larger_error():
 def test_bad_arguments_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         quantization_report(shape=(2, 64), **kwargs)
+
+
+def test_trajectory_error_ranks_the_state_formats():
+    """Along a run of structured gradients, fp32 states give no error, bf16 little, and the
+    4-bit maps the study chose no more than the ones it rejected (docs/architecture.md)."""
+    from forge_hf.optim import four_bit_maps
+
+    def stored(precision):
+        return {name: (lambda x, s=signed: round_trip(x, precision, s, "stochastic", gen))
+                for name, signed in (("exp_avg", True), ("exp_avg_sq", False))}
+
+    gen = torch.Generator().manual_seed(0)
+    small = dict(shape=(16, 256), steps=40)
+    assert trajectory_error({}, **small) == {"mean": 0.0, "last": 0.0}
+    bf16, log4 = trajectory_error(stored("bf16"), **small), trajectory_error(stored("log4"), **small)
+    assert 0 < bf16["mean"] < log4["mean"]
+    linear = trajectory_error({"exp_avg_sq": lambda x: four_bit_maps.store(x, "lin0", False)}, **small)
+    chosen = trajectory_error({"exp_avg_sq": lambda x: four_bit_maps.store(x, "log2", False)}, **small)
+    assert chosen["mean"] < 0.01 * linear["mean"]  # a zero code for v: the zero point blows the update up

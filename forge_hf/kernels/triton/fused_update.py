@@ -4,7 +4,9 @@ and the host side of its launch (default_config, fused_launch_arguments).
 
 Shapes: x (T, K), dy (T, N), weight/states (N, K) through arbitrary strides, so a
 transposed (Conv1D) weight needs no copy. 8-bit states add fp32 metadata (N, KB, width),
-KB = ceil(K / 64), stored block column by block column (codecs.meta_strides). ``args`` is
+KB = ceil(K / 64), stored block column by block column (codecs.meta_strides); 4-bit states
+are row-major (N, ceil(K / 2)) bytes with bf16 scales (N, ceil(K / GROUP4), 1), laid out the
+same way (passed as int16). ``args`` is
 int32: NUM_SCALARS fp32 bit patterns of the rule's constants, then the step, the rounding
 salt and the index of the weight's first row in the whole weight (the rounding bits follow
 the whole weight). ``stats`` (fp32, 2): the applied tiles' squared gradient sum, and the
@@ -24,7 +26,16 @@ from ...core.codecs import QuantisedSlot, storage_kinds
 from ...core.rules import RULES, bind_update
 from ..runtime.compiled import launch_compiled
 from .bf16_bits import decode_value, element_hash, load_tile, store_value
-from .state_tiles import NONE, block_index, decode_state, load_meta, load_state_raw, store_state
+from .state_tiles import (
+    NONE,
+    block_index,
+    decode_state,
+    group_index,
+    load_meta,
+    load_state_raw,
+    packed_index,
+    store_state,
+)
 from .tile_step import finite_sumsq, load_step_args
 
 # The interpreter multiplies bf16 bit patterns as integers in tl.dot: upcast there.
@@ -52,6 +63,7 @@ def fused_update_kernel(
     RULE_UPDATE: tl.constexpr,
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,  # storage kinds (core/codecs.py)
     QUANTISED: tl.constexpr,
+    FOUR_BIT: tl.constexpr,  # every slot present is 4-bit (fused_launch_arguments checks)
     W_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     DOT_FP32: tl.constexpr, GRAD_GIVEN: tl.constexpr,
     EVEN: tl.constexpr,  # the tiles cover the weight exactly: no bounds masks on its tiles
@@ -66,7 +78,12 @@ def fused_update_kernel(
     else:
         io_mask = mask
     offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
-    if QUANTISED:
+    s_offs, s_mask, s_keep = offs, mask, io_mask  # where the state tiles lie
+    if FOUR_BIT:
+        block, block_mask = group_index(rn, tl.program_id(1), N, K, BLOCK_K)
+        s_offs, s_mask = packed_index(rn, tl.program_id(1), N, K, BLOCK_K)
+        s_keep = s_mask
+    elif QUANTISED:
         block, block_mask = block_index(rn, tl.program_id(1), N, KB, BLOCK_K)
     else:
         block, block_mask = 0, False
@@ -81,9 +98,9 @@ def fused_update_kernel(
     # the compiler then decodes and re-encodes them without fp32 layout conversions
     # (about 9% faster; bf16 or fp32 tiles loaded here were 1-5% slower: docs/performance.md).
     if QUANTISED:
-        r0 = load_state_raw(s0_ptr, offs, mask, S0, EVEN)
-        r1 = load_state_raw(s1_ptr, offs, mask, S1, EVEN)
-        r2 = load_state_raw(s2_ptr, offs, mask, S2, EVEN)
+        r0 = load_state_raw(s0_ptr, s_offs, s_mask, S0, EVEN)
+        r1 = load_state_raw(s1_ptr, s_offs, s_mask, S1, EVEN)
+        r2 = load_state_raw(s2_ptr, s_offs, s_mask, S2, EVEN)
 
     # Phase 1: the gradient tile, fp32 accumulation over tokens - or, for a tensor that
     # already has an ordinary gradient (ForgeOptimizer's non-fused ones), x_ptr is that
@@ -132,13 +149,13 @@ def fused_update_kernel(
     if ok:
         store_value(w_ptr, offs, w, io_mask, h, 0, W_BF16, STOCHASTIC)
         if S0 != NONE:
-            store_state(s0_ptr, m0_ptr, offs, s0, mask, io_mask, block, block_mask, h, 1,
+            store_state(s0_ptr, m0_ptr, s_offs, s0, mask, s_keep, block, block_mask, h, 1,
                         S0, STOCHASTIC, BLOCK_N, BLOCK_K)
         if S1 != NONE:
-            store_state(s1_ptr, m1_ptr, offs, s1, mask, io_mask, block, block_mask, h, 2,
+            store_state(s1_ptr, m1_ptr, s_offs, s1, mask, s_keep, block, block_mask, h, 2,
                         S1, STOCHASTIC, BLOCK_N, BLOCK_K)
         if S2 != NONE:
-            store_state(s2_ptr, m2_ptr, offs, s2, mask, io_mask, block, block_mask, h, 3,
+            store_state(s2_ptr, m2_ptr, s_offs, s2, mask, s_keep, block, block_mask, h, 3,
                         S2, STOCHASTIC, BLOCK_N, BLOCK_K)
 
 
@@ -164,7 +181,13 @@ def _slot_pointers(slot, weight: torch.Tensor, dummy: torch.Tensor):
     if slot is None:
         return _as_bits(weight), dummy
     codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
-    if codes.shape != weight.shape or codes.stride() != weight.stride():
+    if isinstance(slot, QuantisedSlot) and slot.codec.bits == 4:
+        packed = codecs.packed_shape(*weight.shape)
+        if tuple(codes.shape) != packed or not codes.is_contiguous():
+            raise ValueError(f"4-bit codes of shape {tuple(codes.shape)} do not fit a {tuple(weight.shape)} weight: "
+                             f"they must be a contiguous {packed}, as QuantisedSlot.empty_like (ForgeState) "
+                             "allocates them")
+    elif codes.shape != weight.shape or codes.stride() != weight.stride():
         raise ValueError(f"a state of shape {tuple(codes.shape)} and strides {codes.stride()} does not "
                          f"match the weight's {tuple(weight.shape)}/{weight.stride()}: allocate states "
                          "with ForgeState so they share the weight's layout")
@@ -175,7 +198,7 @@ def _slot_pointers(slot, weight: torch.Tensor, dummy: torch.Tensor):
                              f"{slot.meta.stride()} does not fit a {tuple(weight.shape)} weight: it must be "
                              f"{meta_shape} with strides {strides}, as QuantisedSlot.empty_like (ForgeState) "
                              "allocates it")
-        return slot.codes, slot.meta
+        return slot.codes, _as_bits(slot.meta)
     return _as_bits(slot), dummy
 
 
@@ -200,8 +223,12 @@ def fused_launch_arguments(
     kinds = storage_kinds(slots)
     quantised = any(isinstance(s, QuantisedSlot) for s in slots)
     if quantised and BK % codecs.BLOCK:
-        raise ValueError(f"BLOCK_K={BK} splits the {codecs.BLOCK}-element blocks of 8-bit states: "
+        raise ValueError(f"BLOCK_K={BK} splits the {codecs.BLOCK}-element blocks of quantised states: "
                          f"use a BLOCK_K that is a multiple of {codecs.BLOCK}")
+    four_bit = [isinstance(s, QuantisedSlot) and s.codec.bits == 4 for s in slots if s is not None]
+    if any(four_bit) and not all(four_bit):
+        raise ValueError("4-bit state slots share a layer's kernel only with other 4-bit slots (their tiles are "
+                         "packed bytes): store every state of the layer as log4, as ForgeState does")
     w_bits = _as_bits(weight)
     (p0, m0), (p1, m1), (p2, m2) = (_slot_pointers(s, weight, stats) for s in slots)
     if dot_fp32 is None:
@@ -213,7 +240,7 @@ def fused_launch_arguments(
     ]
     constexprs = dict(
         RULE_UPDATE=RULE_UPDATES[rule_name],
-        S0=kinds[0], S1=kinds[1], S2=kinds[2], QUANTISED=quantised,
+        S0=kinds[0], S1=kinds[1], S2=kinds[2], QUANTISED=quantised, FOUR_BIT=any(four_bit),
         W_BF16=weight.dtype == torch.bfloat16, STOCHASTIC=stochastic,
         DOT_FP32=dot_fp32, GRAD_GIVEN=grad_given, EVEN=N % BN == 0 and K % BK == 0,
         BLOCK_N=BN, BLOCK_K=BK, BLOCK_T=BT,

@@ -1,7 +1,9 @@
 """Triton: load and store one optimizer-state tile in its storage kind (fp32, bf16, absmax8,
-al8: codecs.storage_kind), core/codecs.py's arithmetic bound to triton.language. An 8-bit
-tile (BLOCK_N, BLOCK_K) is viewed as (BLOCK_N, BLOCK_K // 64, 64), a codec block a row of the
-last axis; metadata index ``(column // 64) * out_features + row`` (codecs.meta_strides).
+al8, slog4, log4: codecs.storage_kind), core/codecs.py's arithmetic bound to triton.language.
+An 8-bit tile (BLOCK_N, BLOCK_K) is viewed as (BLOCK_N, BLOCK_K // 64, 64), a codec block a
+row of the last axis; metadata index ``(column // 64) * out_features + row``
+(codecs.meta_strides). A 4-bit tile is (BLOCK_N, BLOCK_K // 2) bytes of a row-major
+(N, ceil(K / 2)) code tensor, unpacked to (BLOCK_N, BLOCK_K // GROUP4, GROUP4) groups.
 """
 
 import struct
@@ -12,7 +14,7 @@ import triton.language as tl
 
 from ...core import codecs
 from ...core.rules import bind_ops
-from .bf16_bits import decode_value, load_tile, store_value
+from .bf16_bits import decode_value, load_tile, slot_bits, store_value
 
 NONE = tl.constexpr(codecs.NONE)
 FP32 = tl.constexpr(codecs.FP32)
@@ -20,7 +22,11 @@ BF16 = tl.constexpr(codecs.BF16)
 ABSMAX8 = tl.constexpr(codecs.ABSMAX8)
 ABSMAX8_FLOORED = tl.constexpr(codecs.ABSMAX8_FLOORED)
 AL8 = tl.constexpr(codecs.AL8)
+SLOG4 = tl.constexpr(codecs.SLOG4)
+LOG4 = tl.constexpr(codecs.LOG4)
 QBLOCK = tl.constexpr(codecs.BLOCK)
+GROUP4 = tl.constexpr(codecs.GROUP4)
+UNIT = tl.constexpr(codecs.UNIT)
 
 
 @triton.jit
@@ -72,6 +78,10 @@ _ops.min_positive, _ops.high_bits, _ops.unsigned_min = _min_positive, _high_bits
 absmax_encode, floor_positive, absmax_decode, log_encode, log_decode = (
     triton.jit(bind_ops(f, _ops, tl=tl)) for f in
     (codecs.absmax_encode, codecs.floor_positive, codecs.absmax_decode, codecs.log_encode, codecs.log_decode))
+_ops.group_scale = triton.jit(bind_ops(codecs.group_scale, _ops, tl=tl))
+slog4_encode, slog4_decode, log4_encode, log4_decode = (
+    triton.jit(bind_ops(f, _ops, tl=tl)) for f in
+    (codecs.slog4_encode, codecs.slog4_decode, codecs.log4_encode, codecs.log4_decode))
 HALF_WORD = tl.constexpr(codecs.HALF_WORD)
 ROUNDER = tl.constexpr(codecs.ROUNDER)
 ROUNDER_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", codecs.ROUNDER))[0])  # 0x4B400000
@@ -123,6 +133,37 @@ def block_index(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def packed_index(rn, pid_k, N, K, BLOCK_K: tl.constexpr):
+    """Offsets and mask (BLOCK_N, BLOCK_K // 2) of a tile's bytes in 4-bit codes, row-major
+    (N, ceil(K / 2)), two codes a byte along the row."""
+    half = (K + 1) // 2
+    cb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    return rn[:, None] * half + cb[None, :], (rn[:, None] < N) & (cb[None, :] < half)
+
+
+@triton.jit
+def group_index(rn, pid_k, N, K, BLOCK_K: tl.constexpr):
+    """block_index for 4-bit groups of GROUP4 elements."""
+    kb = pid_k * (BLOCK_K // GROUP4) + tl.arange(0, BLOCK_K // GROUP4)
+    return kb[None, :] * N + rn[:, None], (rn[:, None] < N) & (kb[None, :] < (K + GROUP4 - 1) // GROUP4)
+
+
+@triton.jit
+def unpack4(raw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K // 2) bytes -> int32 codes (BLOCK_N, BLOCK_K // GROUP4, GROUP4):
+    element 2j is byte j's low half."""
+    b = raw.to(tl.int32)
+    return tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_K // GROUP4, GROUP4))
+
+
+@triton.jit
+def pack4(codes, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """unpack4's inverse: int32 codes (..., GROUP4) -> (BLOCK_N, BLOCK_K // 2) uint8."""
+    lo, hi = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
 def load_state_raw(ptr, offs, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
     """What a state tile stores (fp32 values, bf16 bits or 8-bit codes), undecoded (decode_state
     reads it). A missing slot reads nothing."""
@@ -138,7 +179,11 @@ def load_meta(meta_ptr, block, block_mask, KIND: tl.constexpr):
     """The tile's per-block metadata word of an 8-bit slot (an absmax8 scale, or al8's
     base | shift bits, as stored in fp32); zeros for other slots. Small: the kernel loads it
     before its token loop, whose time hides the load's latency."""
-    if KIND >= ABSMAX8:
+    if KIND == SLOG4:  # bf16 scale bits, passed as int16
+        meta = tl.load(meta_ptr + block, mask=block_mask, other=0).to(tl.int32)
+    elif KIND == LOG4:
+        meta = tl.load(meta_ptr + block, mask=block_mask, other=0).to(tl.int32)
+    elif KIND >= ABSMAX8:
         meta = tl.load(meta_ptr + block, mask=block_mask, other=0.0)
     else:
         meta = 0.0
@@ -156,6 +201,10 @@ def decode_state(raw, meta, KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: 
     elif KIND == AL8:
         codes = tl.reshape(raw.to(tl.int32), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         value = tl.reshape(log_decode(codes, meta.to(tl.int32, bitcast=True)), (BLOCK_N, BLOCK_K))
+    elif KIND == SLOG4:
+        value = tl.reshape(slog4_decode(unpack4(raw, BLOCK_N, BLOCK_K), meta), (BLOCK_N, BLOCK_K))
+    elif KIND == LOG4:
+        value = tl.reshape(log4_decode(unpack4(raw, BLOCK_N, BLOCK_K), meta), (BLOCK_N, BLOCK_K))
     else:
         codes = tl.reshape(code_to_float(raw), (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         value = tl.reshape(absmax_decode(codes, meta), (BLOCK_N, BLOCK_K))
@@ -167,11 +216,25 @@ def store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h,
                 slot: tl.constexpr, KIND: tl.constexpr, STOCHASTIC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Store a tile; ``mask`` marks the elements inside the weight (the codec blocks'
-    statistics see only those), ``keep`` those to write (None: all)."""
+    statistics see only those), ``keep`` those to write (None: all); 4-bit: ``offs`` and
+    ``keep`` are packed_index's bytes, ``block`` group_index's."""
     if KIND == FP32:
         store_value(ptr, offs, value, keep, h, slot, False, STOCHASTIC)
     elif KIND == BF16:
         store_value(ptr, offs, value, keep, h, slot, True, STOCHASTIC)
+    elif KIND >= SLOG4:
+        x = tl.reshape(value, (BLOCK_N, BLOCK_K // GROUP4, GROUP4))
+        valid = tl.reshape(mask, (BLOCK_N, BLOCK_K // GROUP4, GROUP4))
+        if STOCHASTIC:  # the slot's 16 bits of the element hash, as a bf16 state's
+            u = tl.reshape(slot_bits(h, slot).to(tl.float32) * UNIT, (BLOCK_N, BLOCK_K // GROUP4, GROUP4))
+        else:
+            u = 0.5
+        if KIND == SLOG4:
+            codes, word = slog4_encode(x, valid, u)
+        else:
+            codes, word = log4_encode(x, valid, u)
+        tl.store(meta_ptr + block, word.to(tl.int16), mask=block_keep)
+        tl.store(ptr + offs, pack4(codes, BLOCK_N, BLOCK_K), mask=keep)
     else:
         x = tl.reshape(value, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
         valid = tl.reshape(mask, (BLOCK_N, BLOCK_K // QBLOCK, QBLOCK))
