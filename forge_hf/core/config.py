@@ -20,7 +20,7 @@ DATA_PARALLEL_MODES = ("sharded", "replicated")
 # cuda_graph, lean_loss, recompute_swiglu: auto takes it where it applies, true refuses to
 # train without it, false never; True and False are read as "true" and "false"
 SWITCH_MODES = ("auto", "true", "false")
-ACCUMULATION_MODES = ("auto", "stash", "buffer")
+ACCUMULATION_MODES = ("auto", "stash", "buffer", "bf16_buffer")
 # state_precision="auto": the weight's own dtype, as torch.optim keeps its states
 AUTO_STATE_PRECISION = {"bfloat16": "bf16", "float32": "fp32"}
 
@@ -77,8 +77,10 @@ class ForgeConfig:
     stop_on_nonfinite: bool = _option(False, OPTIMIZER, "Stop training when a tile's gradient is not finite.")
     accumulation: str = _option(
         "auto", OPTIMIZER, "With gradient accumulation or clipping, how a fused layer holds its gradient until the "
-        "optimizer step: stash (its input and output gradient rows), buffer (an fp32 weight gradient) or auto "
-        "(stash while it holds fewer tokens than 2*in*out/(in+out), then buffer).", ACCUMULATION_MODES)
+        "optimizer step: stash (its input and output gradient rows), buffer (an fp32 weight gradient: exact), "
+        "bf16_buffer (a bf16 weight gradient whose sums round stochastically: unbiased; bf16 weights only) or "
+        "auto (never more than a plain Trainer's gradient of the layer: stash while its rows take no more, then "
+        "buffer where that fits, fp32 weights, else bf16_buffer).", ACCUMULATION_MODES)
     data_parallel: str = _option(
         "sharded", TRAINER, "Several processes: sharded (each rank keeps the states of its weight rows) or "
         "replicated.", DATA_PARALLEL_MODES)

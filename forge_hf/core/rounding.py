@@ -88,3 +88,9 @@ def random_bits(elem, salt: int, step: int, slot: int):
 def layer_salt(seed: int, layer_index: int) -> int:
     """32-bit key of a layer's stochastic-rounding stream."""
     return TORCH_HASH.mix32((int(seed) & M32) ^ TORCH_HASH.mix32((TORCH_HASH.spread(layer_index) + 1) & M32))
+
+
+def held_salt(salt: int) -> int:
+    """The key of a layer's held-gradient stream (a bf16 accumulation buffer's rounding), apart
+    from its weight's and states' streams, which share ``salt`` (nn/held_buffer.py)."""
+    return TORCH_HASH.mix32((int(salt) & M32) ^ 0x5BD1E995)

@@ -2,42 +2,66 @@
 accumulation and exact global-norm clipping (ForgeOptimizer(accumulate=..., max_grad_norm=...)).
 
 While the optimizer holds updates, a fused layer's backward does not step its weight: it
-keeps what the step needs, one of two ways, and ForgeOptimizer.step runs the step from it.
+keeps what the step needs, one of three ways (ForgeConfig.accumulation), and
+ForgeOptimizer.step runs the step from it.
 
-- The token stash: each backward's layer input and output gradient, as they are (no copy:
-  inputs several layers read, such as q/k/v's, are one tensor held by each). The step runs the
-  fused kernel once over every held token: no weight gradient is ever formed.
-- The fp32 buffer (the FORGE paper's Appendix L): the weight gradient summed in fp32 at each
-  backward, the rule applied from it at the step.
+- ``stash``, the token stash: each backward's layer input and output gradient, as they are (no
+  copy: inputs several layers read, such as q/k/v's, are one tensor held by each). The step runs
+  the fused kernel once over every held token: no weight gradient is ever formed.
+- ``buffer``, the fp32 buffer (the FORGE paper's Appendix L): the weight gradient summed in fp32
+  at each backward, the rule applied from it at the step. Exact.
+- ``bf16_buffer`` (bf16 weights only): a bf16 weight gradient, each backward's sum formed in
+  fp32 a band of rows at a time and added rounded stochastically (held_buffer.py): unbiased,
+  2 bytes a parameter, the bytes of the bf16 gradient a plain Trainer keeps.
 
-``auto`` stashes while the tokens held are fewer than 2·in·out/(in+out) for the layer, the
-count at which the stash's bf16 rows take the bytes of the fp32 buffer, and moves to the
-buffer past it. A norm of the held gradient (for clipping) costs the stash one more
-weight-gradient GEMM, formed a band of rows at a time.
+``auto`` (the default) never holds more than the plain Trainer's gradient of the layer would
+take, weight.numel() * weight.element_size() bytes (``trainer_bytes``): it stashes while the
+stash's rows take no more, and past that moves to the fp32 buffer where it fits the bound (fp32
+weights: exact, 4 bytes a parameter) and to the bf16 buffer where it does not (bf16 weights).
+Under forge's data parallelism a layer holds every rank's tokens in its stash (its step takes
+a band of the weight from them): no buffer there. A norm of the held gradient (for clipping)
+costs the stash one more weight-gradient GEMM, formed a band of rows at a time.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import addmm_fp32, matmul_fp32
+from ..kernels import matmul_fp32, reference_fused_update, resolve_backend
+from .held_buffer import RoundedSums, add_products, squared_sum
 
 NORM_CHUNK = 1 << 24  # fp32 entries of the gradient formed at once for a stash's norm
+BUFFER_MODES = ("buffer", "bf16_buffer")
 
 
-def stash_limit(in_features: int, out_features: int) -> int:
-    """Tokens past which a stash takes more bytes than an fp32 gradient buffer."""
-    return 2 * in_features * out_features // (in_features + out_features)
+def trainer_bytes(in_features: int, out_features: int, weight_dtype: torch.dtype) -> int:
+    """The bound ``auto`` holds a layer to: its weight gradient in the weight's dtype, as a plain
+    Trainer keeps it."""
+    return in_features * out_features * weight_dtype.itemsize
+
+
+def buffer_dtype(mode: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """The buffer a layer moves to: fp32 for ``buffer``, and under ``auto`` where it fits the
+    Trainer's bound (fp32 weights); else the weight's bf16."""
+    if mode == "buffer" or (mode == "auto" and weight_dtype.itemsize >= 4):
+        return torch.float32
+    return torch.bfloat16
 
 
 class HeldGradient:
-    """What one fused layer holds of its weight gradient until the optimizer step."""
+    """What one fused layer holds of its weight gradient until the optimizer step.
+    ``weight_dtype`` sets auto's bound (trainer_bytes); ``rounded``: the bf16 buffer's
+    rounding stream (held_for makes one from the layer)."""
 
-    def __init__(self, mode: str = "auto"):
+    def __init__(self, mode: str = "auto", weight_dtype: torch.dtype = torch.float32,
+                 rounded: RoundedSums | None = None):
         self.mode = mode  # ForgeConfig.accumulation, validated there
+        self.weight_dtype = weight_dtype
+        self.rounded = rounded if rounded is not None else RoundedSums(0, "cpu", kernel=False)
         self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens x in, tokens x out) pairs
-        self.buffer: torch.Tensor | None = None  # (out, in) fp32
+        self.buffer: torch.Tensor | None = None  # (out, in): fp32, or bf16 rounded stochastically
         self.tokens = 0  # tokens held since the last step
+        self.stash_bytes = 0  # the stash's rows, this layer's (an input other layers hold counted too)
         self.gathered = False  # the stash holds every rank's tokens (data parallel)
 
     @property
@@ -48,21 +72,24 @@ class HeldGradient:
         """Hold one backward's contribution ``dy2^T x2``. ``gathered``: every rank's tokens and
         this rank's rows of a data-parallel layer, which only a stash holds (its step takes a
         band of the weight and shares it)."""
-        if gathered and self.mode == "buffer":
-            raise RuntimeError("accumulation='buffer' is not supported with forge's data parallelism: a band of "
-                               "rows is stepped from the gathered tokens; use accumulation='stash' or 'auto'")
+        if gathered and self.mode in BUFFER_MODES:
+            raise RuntimeError(f"accumulation={self.mode!r} is not supported with forge's data parallelism: a band "
+                               "of rows is stepped from the gathered tokens; use accumulation='stash' or 'auto'")
         self.gathered = gathered
         self.tokens += x2.shape[0]
-        past_limit = self.mode == "auto" and not gathered and self.tokens > stash_limit(x2.shape[1], dy2.shape[1])
-        if self.buffer is None and (self.mode == "buffer" or past_limit):
-            self.buffer = torch.zeros(dy2.shape[1], x2.shape[1], dtype=torch.float32, device=x2.device)
-            for x, dy in self.stash:
-                addmm_fp32(self.buffer, dy.t(), x)
-            self.stash = []
         if self.buffer is not None:
-            addmm_fp32(self.buffer, dy2.t(), x2)
-        else:
+            add_products(self.buffer, [(x2, dy2)], self.rounded.on(x2.device))
+            return
+        rows = x2.numel() * x2.element_size() + dy2.numel() * dy2.element_size()
+        bound = trainer_bytes(x2.shape[1], dy2.shape[1], self.weight_dtype)
+        if self.mode == "stash" or gathered or (self.mode == "auto" and self.stash_bytes + rows <= bound):
             self.stash.append((x2, dy2))
+            self.stash_bytes += rows
+            return
+        self.buffer = torch.zeros(dy2.shape[1], x2.shape[1], dtype=buffer_dtype(self.mode, self.weight_dtype),
+                                  device=x2.device)
+        pairs, self.stash, self.stash_bytes = [*self.stash, (x2, dy2)], [], 0
+        add_products(self.buffer, pairs, self.rounded.on(x2.device))  # a bf16 buffer rounds them once
 
     def tokens_and_gradients(self, joined: dict | None = None,
                              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +122,7 @@ class HeldGradient:
         tokens_and_gradients; ``grams`` keeps the last input's tokens x tokens product for the
         next layer that reads the same input."""
         if self.buffer is not None:
-            g = self.buffer.view(-1)
-            return torch.dot(g, g)
+            return squared_sum(self.buffer)
         x2, dy2 = self.tokens_and_gradients(joined)
         tokens, k, n = x2.shape[0], x2.shape[1], dy2.shape[1]
         if tokens * (k + n) < k * n:
@@ -115,21 +141,34 @@ class HeldGradient:
         return total
 
     def clear(self) -> None:
-        self.stash, self.buffer, self.tokens = [], None, 0
+        self.stash, self.buffer, self.tokens, self.stash_bytes = [], None, 0, 0
 
     def snapshot(self) -> tuple:
         """What it holds now, to go back to (``restore``) should a backward that adds to it not run."""
-        return list(self.stash), self.buffer, self.tokens, self.gathered
+        return list(self.stash), self.buffer, self.tokens, self.stash_bytes, self.gathered
 
     def restore(self, snapshot: tuple) -> None:
-        stash, self.buffer, self.tokens, self.gathered = snapshot
+        stash, self.buffer, self.tokens, self.stash_bytes, self.gathered = snapshot
         self.stash = list(stash)
 
     def nbytes(self) -> int:
         """Bytes held: the stash's rows (a tensor several layers hold counted here too), or the buffer."""
         if self.buffer is not None:
-            return self.buffer.numel() * 4
-        return sum(x.numel() * x.element_size() + dy.numel() * dy.element_size() for x, dy in self.stash)
+            return self.buffer.numel() * self.buffer.element_size()
+        return self.stash_bytes
+
+
+def held_for(layer, mode: str) -> HeldGradient:
+    """The HeldGradient of fused ``layer`` under ForgeConfig.accumulation ``mode``: its bound
+    from the weight's dtype, a bf16 buffer's stream keyed by the layer's salt, rounded by the
+    layer's backend (the Triton kernel where it steps by Triton)."""
+    weight = layer.forge_weight_view()
+    if mode == "bf16_buffer" and weight.dtype != torch.bfloat16:
+        raise ValueError(f"accumulation='bf16_buffer' rounds {layer.forge_name}'s held gradient to bf16, but its "
+                         f"weight is {weight.dtype}, whose exact fp32 buffer takes no more than its own gradient: "
+                         "use accumulation='buffer' or 'auto'")
+    kernel = resolve_backend(layer.forge_config.backend, weight.device) is not reference_fused_update
+    return HeldGradient(mode, weight.dtype, RoundedSums(layer.forge_salt(), weight.device, kernel))
 
 
 def gram(rows: torch.Tensor, cache: dict | None = None) -> torch.Tensor:

@@ -430,7 +430,8 @@ class FusedWeightMixin:
         fused backward's sums do. ``joined`` as for HeldGradient.tokens_and_gradients."""
         hold = self.forge_held
         if hold.buffer is not None:
-            g = hold.buffer if scale is None else hold.buffer * scale.to(hold.buffer.device)
+            # scaled in place, as clip_grad_norm_ scales a gradient: no second buffer (cleared below)
+            g = hold.buffer if scale is None else hold.buffer.mul_(scale.to(hold.buffer.device))
             p_sq, p_bad = step_gradient(g.t() if self.forge_transposed else g)
             self.forge_stats += torch.stack([p_sq.float(), p_bad.float()]).to(self.forge_stats.device)
         else:

@@ -30,7 +30,7 @@ from ..kernels import (
     release_held_args,
     resolve_backend,
 )
-from ..nn.held_gradient import HeldGradient
+from ..nn.held_gradient import held_for
 from ..nn.linear import FusedWeightMixin
 from .embedding_step import EmbeddingSteps
 from .fsdp import enable_fsdp, fsdp_needed, param_shards
@@ -184,7 +184,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # each one holds it from now on (held_gradient.py)
         self.holds_updates = self.accumulation_steps != 1 or self.max_grad_norm > 0
         for layer in self._layers.values():
-            layer.forge_held = HeldGradient(config.accumulation) if self.holds_updates else None
+            layer.forge_held = held_for(layer, config.accumulation) if self.holds_updates else None
 
     @property
     def accumulate(self) -> bool | int:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from forge_hf.core.rules import RULES
-from forge_hf.nn.held_gradient import HeldGradient, stash_limit
+from forge_hf.nn.held_gradient import HeldGradient, trainer_bytes
 from forge_hf.optim.optimizer import ForgeOptimizer
 from forge_hf.optim.patch import patch_model
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, bf16_ulps_apart
 from tests.helpers import tiny_llama as small_llama
 from tests.optim.test_optimizer import VOCAB, assert_models_close, batches, torch_twin
 
@@ -123,23 +123,100 @@ def test_clipping_at_one_micro_step_holds_until_step():
     assert_models_close(model, reference)
 
 
-def test_auto_moves_from_the_stash_to_the_buffer_past_the_crossover():
+@pytest.mark.parametrize("weight_dtype,rows_dtype,stashed,buffer", [
+    (torch.bfloat16, torch.bfloat16, 1, torch.bfloat16),  # 4480 B of rows a micro-batch, bound 5760: bf16 past it
+    (torch.float32, torch.bfloat16, 2, torch.float32),  # autocast's bf16 rows, bound 11520: the exact fp32 buffer
+    (torch.float32, torch.float32, 1, torch.float32),  # fp32 rows: 8960 B a micro-batch
+])
+def test_auto_stashes_up_to_the_trainers_gradient_then_moves_to_a_buffer(weight_dtype, rows_dtype, stashed, buffer):
+    """auto holds at most the layer's gradient in the weight's dtype (a plain Trainer's): the
+    stash while its rows fit, then the fp32 buffer where it fits (fp32 weights), else bf16."""
     layer_in, layer_out = 40, 72
-    limit = stash_limit(layer_in, layer_out)
-    held = HeldGradient("auto")
+    bound = trainer_bytes(layer_in, layer_out, weight_dtype)
+    held = HeldGradient("auto", weight_dtype)
     gen = torch.Generator().manual_seed(0)
-    pairs = [(torch.randn(20, layer_in, generator=gen), torch.randn(20, layer_out, generator=gen)) for _ in range(3)]
-    expected = sum(dy.t() @ x for x, dy in pairs)
+    pairs = [(torch.randn(20, layer_in, generator=gen).to(rows_dtype),
+              torch.randn(20, layer_out, generator=gen).to(rows_dtype)) for _ in range(3)]
     for i, (x, dy) in enumerate(pairs):
         held.add(x, dy)
-        assert (held.buffer is not None) == (held.tokens > limit), (i, held.tokens, limit)
-    assert held.tokens == 60 > limit == 51 and held.stash == []
-    torch.testing.assert_close(held.buffer, expected)
-    stash = HeldGradient("stash")
+        assert (held.buffer is None) == (i < stashed), i
+        assert held.nbytes() <= bound, i
+    assert held.stash == [] and held.buffer.dtype == buffer and held.nbytes() <= bound
+    expected = sum(dy.double().t() @ x.double() for x, dy in pairs)
+    if buffer == torch.float32:
+        torch.testing.assert_close(held.buffer.double(), expected, rtol=1e-5, atol=1e-5)
+    else:  # rounded at each add from the switch on, each within a bf16 step of the sum it rounds
+        sums = [sum(dy.double().t() @ x.double() for x, dy in pairs[:n]) for n in range(stashed + 1, 4)]
+        steps = sum(s.abs() for s in sums) * 2.0**-7 * (1 + 2.0**-6)
+        assert ((held.buffer.double() - expected).abs() <= steps).all()
+    stash = HeldGradient("stash", weight_dtype)
     for x, dy in pairs:
         stash.add(x, dy)
-    assert stash.buffer is None and stash.nbytes() == 60 * (layer_in + layer_out) * 4
-    torch.testing.assert_close(stash.squared_norm(), expected.square().sum())
+    assert stash.buffer is None and stash.nbytes() == 60 * (layer_in + layer_out) * pairs[0][0].element_size()
+    torch.testing.assert_close(stash.squared_norm().double(), expected.square().sum(), rtol=1e-5, atol=0)
+
+
+def bf16_run(accumulation, backend="reference", steps=2):
+    """A bf16 Llama, K micro-batches a step with an active clip: its model, optimizer, and the
+    largest held bytes any fused layer had after a backward over its Trainer bound."""
+    model = odd_llama().to(torch.bfloat16)
+    patch_model(model, optimizer="adamw", backend=backend, min_params=0, accumulation=accumulation)
+    optimizer = ForgeOptimizer(model, lr=2e-3, weight_decay=0.01, accumulate=True, max_grad_norm=0.05)
+    layers = [m for m in model.modules() if getattr(m, "forge_held", None) is not None]
+    worst, norms, kinds = 0.0, [], set()
+    for s in range(steps):
+        for ids in batches(K, seed=10 * s + 1):
+            (model(input_ids=ids, labels=ids).loss / K).backward()
+            for m in layers:
+                held = m.forge_held
+                worst = max(worst, held.nbytes() / trainer_bytes(m.in_features, m.out_features, m.weight.dtype))
+                kinds.add("stash" if held.buffer is None else str(held.buffer.dtype))
+        optimizer.step()
+        optimizer.zero_grad()
+        norms.append(optimizer.last_grad_norm)
+    return model, torch.stack(norms), worst, kinds
+
+
+def test_bf16_weights_hold_a_rounded_bf16_buffer_within_the_trainers_bytes():
+    """bf16 weights under auto: 64 tokens a micro-batch pass the 40 x 72 layers' bound (25
+    tokens of rows), so they hold a bf16 buffer, never more than the bf16 gradient; clipped and
+    stepped from it, the run follows the exact fp32 buffer's (accumulation='buffer') to bf16
+    round-off: the norms to a few bf16 steps; the weights mostly to the same bits, the others
+    apart by less than two AdamW updates a step (a gradient near zero may change its sign)."""
+    lean, lean_norms, lean_worst, lean_kinds = bf16_run("auto")
+    exact, exact_norms, exact_worst, exact_kinds = bf16_run("buffer")
+    assert lean_kinds == {"torch.bfloat16"} and lean_worst <= 1.0
+    assert exact_kinds == {"torch.float32"} and exact_worst == 2.0  # what auto no longer holds
+    assert (lean_norms > 0.05).all()  # the clip is active
+    torch.testing.assert_close(lean_norms, exact_norms, rtol=2e-2, atol=0)
+    moved = same = 0
+    for (name, a), b in zip(lean.named_parameters(), exact.parameters()):
+        assert (a.float() - b.float()).abs().max() <= 2 * 2 * 2e-3, name
+        moved, same = moved + a.numel(), same + (a == b).sum().item()
+    assert same / moved > 0.8
+
+
+def test_a_bf16_buffer_steps_alike_on_both_backends():
+    """The Triton backend (the kernel rounds the buffer; interpreted on CPU) against the reference:
+    the same rounding bits, so the held buffers' norms agree to fp32 round-off."""
+    runs = [bf16_run("bf16_buffer", backend, steps=1) for backend in ("reference", "triton")]
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=0)
+    for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
+        assert bf16_ulps_apart(a, b).max() <= 1, name
+
+
+def test_a_bf16_buffer_is_refused_where_it_cannot_serve():
+    model = odd_llama()  # fp32 weights: their fp32 buffer is exact at the bound
+    patch_model(model, optimizer="adamw", backend="reference", min_params=0, accumulation="bf16_buffer")
+    with pytest.raises(ValueError, match=r"^accumulation='bf16_buffer' rounds model\.layers\.0\.self_attn\.q_proj's "
+                                         r"held gradient to bf16, but its weight is torch\.float32.*: use "
+                                         r"accumulation='buffer' or 'auto'$"):
+        ForgeOptimizer(model, accumulate=2)
+    ForgeOptimizer(model)  # holding nothing, it asks for no buffer
+    x, dy = torch.randn(4, 8).bfloat16(), torch.randn(4, 6).bfloat16()
+    with pytest.raises(RuntimeError, match="accumulation='bf16_buffer' is not supported with forge's data "
+                                           "parallelism.*use accumulation='stash' or 'auto'"):
+        HeldGradient("bf16_buffer", torch.bfloat16).add(x, dy, gathered=True)
 
 
 @pytest.mark.parametrize("tokens", [30, 300])  # 30: through tokens x tokens products; 300: the gradient's bands
