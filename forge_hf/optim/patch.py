@@ -34,6 +34,7 @@ from ..nn.conv1d import ForgeConv1D
 from ..nn.linear import WEIGHT_DTYPES, ForgeLinear, FusedWeightMixin
 from . import tensor_parallel
 from .embedding_patch import EmbeddingEntry, apply_embeddings, plan_embeddings, release_embeddings
+from .memory_budget import BudgetRow, budget_table, memory_budget
 
 # Skip reasons (PatchReport.skipped[i].reason); each skipped tensor is stepped by the
 # ordinary optimizer.
@@ -185,7 +186,19 @@ class PatchReport:
                 parts.append(_table((title, "kind", "shape", "reason"), rows))
         if self.embeddings:
             parts.append("\n".join(self._embedding_line(e) for e in self.embeddings))
+        budget = self.memory()
+        if budget:
+            parts.append(_table(("memory between steps", "params", "GiB", "B/param", "note"), budget_table(budget)))
         return "\n\n".join(parts)
+
+    def memory(self) -> list[BudgetRow]:
+        """What the patched model keeps on its device between steps (memory_budget.py), by
+        part, with bytes a parameter; [] once the model is gone."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return []
+        compact = {e.name for e in self.embeddings if e.reason_now(model) is None}
+        return memory_budget(model, self.config, compact)
 
     def _embedding_line(self, entry: EmbeddingEntry) -> str:
         shape = " x ".join(map(str, entry.shape))
