@@ -41,8 +41,9 @@ def check_group(rule: Rule, precision: str, group: dict) -> None:
 
 class ForgeState:
     """``transposed``: for a fused layer's weight, whether the parameter is stored
-    (in, out) (Conv1D); None for a tensor the ordinary optimizer steps (embeddings, norms,
-    biases). Those states are never quantised: under an 8-bit precision they stay fp32,
+    (in, out) (Conv1D), and False for a fused embedding's (optim/embedding_step.py); None for
+    a tensor the ordinary optimizer steps (an embedding on the ordinary path, norms, biases).
+    Those states are never quantised: under an 8-bit precision they stay fp32,
     the quantisation seed's G1 grouping (they are the sensitive ones, and small)."""
 
     def __init__(self, rule: Rule, precision: str, transposed: bool | None = None):
@@ -70,7 +71,7 @@ class ForgeState:
     @property
     def stored_precision(self) -> str:
         """The precision the slots are actually stored in. Tensors outside fused layers
-        (embeddings, norms) keep 16-bit states under an 8-bit precision: 8-bit moments of
+        (norms, an embedding on the ordinary path) keep 16-bit states under an 8-bit precision: 8-bit moments of
         rarely-touched embedding rows are the known weak spot of 8-bit optimizers."""
         quantisable = self.transposed is not None or self.precision in _DTYPES
         return self.precision if quantisable else "bf16"

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 from ..core.config import ForgeConfig
+from ..core.state import ForgeState
 from ..nn.embedding import ForgeEmbedding
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -35,6 +36,7 @@ class EmbeddingEntry:
     shape: tuple[int, int]
     gradient_bytes: int  # its dense gradient, which a ForgeEmbedding never allocates
     reason: str | None
+    precisions: tuple[str, str]  # its states' precision (compact step, ordinary path)
 
     def reason_now(self, model: nn.Module | None) -> str | None:
         """Why it takes the ordinary path now, or None: a ForgeOptimizer may have put it there
@@ -100,7 +102,15 @@ def plan_embeddings(model: nn.Module, config: ForgeConfig, owners: dict) -> list
     return plan
 
 
-def apply_embeddings(plan) -> list[EmbeddingEntry]:
+def state_precisions(config: ForgeConfig, dtype: torch.dtype) -> tuple[str, str]:
+    """The states' precision of an embedding of ``dtype`` stepped from its compact rows (the
+    layer precision, embedding_step.py) and on the ordinary path (16-bit under 8-bit), as
+    ForgeState stores them."""
+    precision = config.state_precision_for(dtype)
+    return tuple(ForgeState(config.rule, precision, transposed).stored_precision for transposed in (False, None))
+
+
+def apply_embeddings(plan, config: ForgeConfig) -> list[EmbeddingEntry]:
     """Make the plan so: a ForgeEmbedding where it has no reason, a plain nn.Embedding elsewhere."""
     entries = []
     for name, module, reason in plan:
@@ -109,7 +119,8 @@ def apply_embeddings(plan) -> list[EmbeddingEntry]:
         elif reason is not None and isinstance(module, ForgeEmbedding):
             module.forge_release()
         w = module.weight
-        entries.append(EmbeddingEntry(name, tuple(w.shape), w.numel() * w.element_size(), reason))
+        entries.append(EmbeddingEntry(name, tuple(w.shape), w.numel() * w.element_size(), reason,
+                                      state_precisions(config, w.dtype)))
     return entries
 
 

@@ -10,10 +10,16 @@ the step is bit for bit the dense one, with no second copy of the rule's arithme
 in step. Chunks are whole 64-row tiles, so the kernel's tiles and its skipping of a
 non-finite tile are the dense path's too.
 
+States: in the layer precision, 8-bit included (the ForgeState is marked a row-major
+weight's, ``transposed=False``), as a fused layer's weight on the ordinary path keeps them:
+codes along each row in blocks of 64, so a chunk of whole rows holds whole blocks. The
+kernel takes a chunk's codes as a view and its metadata staged (core/row_slots.py).
+
 Memory: the compact rows (at most one row a token of the step, in the weight's dtype, and
 an int64 id each) and one chunk buffer of (rows + 1) x hidden in the weight's dtype,
-about ``CHUNK`` elements, reused by every chunk and step; the reference backend adds the
-chunk in fp32, as the dense path does.
+about ``CHUNK`` elements, reused by every chunk and step (with 8-bit states, a chunk's
+metadata a slot too: 1/16 of the chunk's elements in bytes); the reference backend adds
+the chunk in fp32, as the dense path does.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..core.codecs import QuantisedSlot
+from ..core.row_slots import RowSlots, Staging
 from ..kernels import ARGS_LEN, ROW_STRIDE, BoundLaunch, next_launch_args, reference_rule_rows
 from ..nn.compact_rows import add_into_dense, chunk_gradient
 from ..nn.embedding import ForgeEmbedding
@@ -61,8 +69,14 @@ class EmbeddingSteps:
                 continue
             module.forge_take(owner)
             self.layers[module.weight] = module
+            state = owner.state.get(module.weight)
+            if state is not None:
+                # a (vocab, hidden) weight stepped row-major: its states in the layer precision,
+                # as a fused layer's weight keeps them (ForgeState.stored_precision)
+                state.transposed = False
         self._buffers: dict[tuple, torch.Tensor] = {}  # (device, dtype, hidden) -> the chunk buffer
-        self._launches: dict[tuple, tuple] = {}  # (weight, first row) -> (its layout, its BoundLaunch)
+        self._staging = Staging()  # a chunk's 8-bit metadata, in the kernel's layout
+        self._launches: dict[tuple, tuple] = {}  # (weight, first row) -> (its layout, BoundLaunch, RowSlots)
         self._args: dict[torch.Tensor, torch.Tensor] = {}  # weight -> its chunks' argument rows
 
     def pending(self, param_groups):
@@ -132,10 +146,16 @@ class EmbeddingSteps:
             for i, r0 in enumerate(starts):
                 m = min(chunk, n - r0)
                 g = chunk_gradient(held, r0, buffer[:m + 1])
-                self._launch_for(p, r0, m, slots)(g, g, args[i, :ARGS_LEN], stats)
+                launch, rows = self._launch_for(p, r0, m, slots)
+                rows.load()
+                launch(g, g, args[i, :ARGS_LEN], stats)
+                rows.store()
             return None if given else (stats[0], stats[1])
         consts = torch.tensor(self.rule.prepare(group, state.host), dtype=torch.float32).to(p.device).unbind()
         ok = torch.isfinite(held.rows).all()  # the dense gradient's test: it is zero elsewhere
+        if any(isinstance(s, QuantisedSlot) for s in slots) and not ok:
+            zero = torch.zeros((), device=p.device)  # codes cannot be masked: skipped whole, as the dense path
+            return zero, zero + 1
         sq = torch.zeros((), device=p.device)
         for r0 in starts:
             m = min(chunk, n - r0)
@@ -154,14 +174,15 @@ class EmbeddingSteps:
         table[:, :ARGS_LEN - 1].copy_(args[:ARGS_LEN - 1].expand(len(starts), -1))  # device to device
         return table
 
-    def _launch_for(self, p, r0: int, m: int, slots) -> BoundLaunch:
-        """The rule pass bound to rows [r0, r0 + m) of ``p`` and its slots, made again when
-        the weight or a slot moved (a load, an allocation, ``model.to``)."""
-        key = (p.data_ptr(), tuple(p.shape), p.dtype, *(None if s is None else (s.data_ptr(), s.dtype) for s in slots))
+    def _launch_for(self, p, r0: int, m: int, slots) -> tuple[BoundLaunch, RowSlots]:
+        """The rule pass bound to rows [r0, r0 + m) of ``p`` and its slots, and those rows of
+        the slots, made again when the weight or a slot moved (a load, an allocation, ``model.to``)."""
+        key = (p.data_ptr(), tuple(p.shape), p.dtype,
+               *(None if s is None else (s.codes.data_ptr(), s.meta.data_ptr(), s.codec)
+                 if isinstance(s, QuantisedSlot) else (s.data_ptr(), s.dtype) for s in slots))
         bound = self._launches.get((p, r0))
         if bound is None or bound[0] != key:
-            rows = slice(r0, r0 + m)
-            bound = self._launches[(p, r0)] = (key, BoundLaunch(p.detach()[rows], [None if s is None else s[rows]
-                                                                                     for s in slots],
-                                                                self.rule.name, self.stochastic, grad_given=True))
-        return bound[1]
+            rows = RowSlots(slots, slice(r0, r0 + m), p.shape[1], self._staging)
+            launch = BoundLaunch(p.detach()[r0:r0 + m], rows.slots, self.rule.name, self.stochastic, grad_given=True)
+            bound = self._launches[(p, r0)] = (key, launch, rows)
+        return bound[1], bound[2]

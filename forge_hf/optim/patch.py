@@ -205,8 +205,9 @@ class PatchReport:
         reason = entry.reason_now(self._model() if self._model is not None else None)
         if reason is None:
             return (f"embedding {entry.name} ({shape}): stepped from the rows each batch touches, its "
-                    f"{_size(entry.gradient_bytes)} dense gradient never allocated (fuse_embedding)")
-        return f"embedding {entry.name} ({shape}): ordinary path: {reason}"
+                    f"{_size(entry.gradient_bytes)} dense gradient never allocated (fuse_embedding); "
+                    f"states {entry.precisions[0]}")
+        return f"embedding {entry.name} ({shape}): ordinary path: {reason}; states {entry.precisions[1]}"
 
 
 def _size(n: int) -> str:
@@ -479,7 +480,7 @@ def patch_model(model: nn.Module, config: ForgeConfig | None = None, **options) 
                                         w.numel() * w.element_size(), module.forge_layer_index,
                                         module.forge_state.precision, str(w.dtype).removeprefix("torch.")))
     report.skipped.extend(_expert_tensors(model))
-    report.embeddings = apply_embeddings(embedding_plan)
+    report.embeddings = apply_embeddings(embedding_plan, config)
 
     if not report.fused:
         warnings.warn(f"patch_model fused no module of {type(model).__name__}{_nothing_fused_hint(report)}: "
