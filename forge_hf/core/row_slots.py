@@ -1,12 +1,12 @@
 """A range of rows of a weight's state slots as the kernels take a weight of those rows alone
-(optim/embedding_step.py's chunks): fp32/bf16 slots and a QuantisedSlot's codes are views of
-the rows; its metadata is staged.
+(optim/embedding_step.py's chunks): fp32/bf16 slots and a QuantisedSlot's codes (8-bit, or
+4-bit packed along the row) are views of the rows; its metadata is staged.
 
 Why staged: the kernels index metadata block column by block column of the weight they are
 given (codecs.meta_layout: a block column's rows are one contiguous run of that weight's
 row count), so the rows of a whole slot's metadata, a run of the whole weight's row count
-apart, are not a layout they take. The chunk's metadata (1/64 of its codes' elements at 8
-bits) is copied into a buffer of the chunk's own layout before its launch and back after it,
+apart, are not a layout they take. The chunk's metadata (a value a block of 64 elements) is
+copied into a buffer of the chunk's own layout before its launch and back after it,
 which leaves the kernels and the codecs as they are and works for any codec whose metadata
 is (rows, blocks, width) in logical coordinates.
 """

@@ -10,15 +10,15 @@ the step is bit for bit the dense one, with no second copy of the rule's arithme
 in step. Chunks are whole 64-row tiles, so the kernel's tiles and its skipping of a
 non-finite tile are the dense path's too.
 
-States: in the layer precision, 8-bit included (the ForgeState is marked a row-major
-weight's, ``transposed=False``), as a fused layer's weight on the ordinary path keeps them:
-codes along each row in blocks of 64, so a chunk of whole rows holds whole blocks. The
+States: in the layer precision, 8-bit and 4-bit included (the ForgeState is marked a
+row-major weight's, ``transposed=False``), as a fused layer's weight on the ordinary path
+keeps them: codes along each row in blocks, so a chunk of whole rows holds whole blocks. The
 kernel takes a chunk's codes as a view and its metadata staged (core/row_slots.py).
 
 Memory: the compact rows (at most one row a token of the step, in the weight's dtype, and
 an int64 id each) and one chunk buffer of (rows + 1) x hidden in the weight's dtype,
-about ``CHUNK`` elements, reused by every chunk and step (with 8-bit states, a chunk's
-metadata a slot too: 1/16 of the chunk's elements in bytes); the reference backend adds
+about ``CHUNK`` elements, reused by every chunk and step (with codes, a chunk's metadata
+a slot too: at most 1/16 of the chunk's elements in bytes); the reference backend adds
 the chunk in fp32, as the dense path does.
 """
 
