@@ -73,9 +73,10 @@ def memory_budget(model: nn.Module, config: ForgeConfig, compact_embeddings: set
                   ", ".join(sorted({m.forge_state.precision for _, m in fused}))),
     ]
     if embeddings:
+        # in the layer precision: stepped row-major, as embedding_step.py marks its ForgeState
         rows.append(BudgetRow("states, embedding", sum(p.numel() for p in embeddings),
                               sum(_state_bytes(config, tuple(p.shape), p.dtype, config.state_precision_for(p.dtype),
-                                               None) for p in embeddings),
+                                               False) for p in embeddings),
                               "its gradient: the rows a batch touches, no dense gradient"))
     rows += [
         BudgetRow("states, other parameters", sum(p.numel() for p in ordinary),
