@@ -9,7 +9,8 @@ one data order: does bf16 forge learn like fp32-master AdamW, where plain bf16 A
 
 Arms (weights / optimizer): fp32_master (fp32 + bf16 autocast + torch fused AdamW, the
 reference), bf16_adamw (bf16 + torch fused AdamW), forge_bf16_sr and forge_bf16_nearest
-(bf16 + forge, bf16 state, stochastic / nearest rounding), forge_int8, forge_al8, forge_log4.
+(bf16 + forge, bf16 state, stochastic / nearest rounding), forge_int8, forge_al8, forge_log4,
+forge_log4_factored (log4 m, factored v).
 Every arm uses AdamW (betas 0.9/0.999, eps 1e-8, --weight-decay on all but norms and biases), a cosine
 schedule to 0 after a linear warm-up, forge_hf.causal_lm_loss, and on CUDA forge's arms step
 through forge_hf.GraphedStep (torch's arms are eager: the step time is not the comparison here).
@@ -74,6 +75,7 @@ ARMS = {
     "forge_int8": Arm(torch.bfloat16, "int8"),
     "forge_al8": Arm(torch.bfloat16, "al8"),
     "forge_log4": Arm(torch.bfloat16, "log4"),
+    "forge_log4_factored": Arm(torch.bfloat16, "log4_factored"),
 }
 REFERENCE = "fp32_master"
 CAPTURE_ARM = "forge_fp32"  # --quantization-report's: fp32 moments, nothing rounded away yet
@@ -374,7 +376,7 @@ def quantization_table(rows: list[dict]) -> str:
 
 COLORS = dict(fp32_master="black", bf16_adamw="tab:gray", forge_bf16_sr="tab:red", forge_bf16_nearest="tab:orange",
               forge_int8="tab:blue", forge_al8="tab:green", forge_fp32="tab:purple",
-              forge_log4="tab:olive")
+              forge_log4="tab:olive", forge_log4_factored="tab:cyan")
 
 
 def plot(result: dict):

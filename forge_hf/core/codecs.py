@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .factored import FactoredSlot
 from .rules import bind_ops
 
 BLOCK = 64
@@ -29,6 +30,7 @@ UNIT = 2.0**-16  # 4-bit codes: a 16-bit random draw times UNIT is uniform in [0
 
 # Storage kinds, as the kernel's per-slot compile-time selector (LEGACY_AL8: read on load only).
 NONE, FP32, BF16, ABSMAX8, ABSMAX8_FLOORED, AL8, LEGACY_AL8, SLOG4, LOG4 = range(9)
+FACTORED = 9  # a factored second moment (core/factored.py): vectors, not a tile of the weight's shape
 
 
 # ------------------------------------------------------------ shared arithmetic
@@ -174,6 +176,7 @@ PRECISION_CODECS = {
     "int8": (CODECS["absmax8"], CODECS["absmax8_floored"]),
     "al8": (CODECS["absmax8"], CODECS["al8"]),
     "log4": (CODECS["slog4"], CODECS["log4"]),
+    "log4_factored": (CODECS["slog4"], None),  # never-negative slots: a FactoredSlot (core/factored.py)
 }
 
 
@@ -215,6 +218,8 @@ def storage_kind(slot) -> int:
     """The kernel's storage selector for a slot (a tensor, a QuantisedSlot or None)."""
     if slot is None:
         return NONE
+    if isinstance(slot, FactoredSlot):
+        return FACTORED
     if isinstance(slot, QuantisedSlot):
         return slot.codec.kind
     return BF16 if slot.dtype == torch.bfloat16 else FP32

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from .rules import RULES, Rule, get_rule, make_group
 from .state import check_group
 
-STATE_PRECISIONS = ("auto", "fp32", "bf16", "int8", "al8", "log4")
+STATE_PRECISIONS = ("auto", "fp32", "bf16", "int8", "al8", "log4", "log4_factored")
 ROUNDINGS = ("stochastic", "nearest")
 BACKENDS = ("auto", "triton", "reference")
 DATA_PARALLEL_MODES = ("sharded", "replicated")
@@ -56,7 +56,9 @@ class ForgeConfig:
         "auto", PATCH, "Optimizer-state storage: auto (each weight's own dtype: bf16 states for bf16 weights, "
         "fp32 for fp32 weights, as torch.optim keeps them), fp32, bf16, or 8-bit int8 / al8 in the fused layers "
         "(codes with per-block scales), or 4-bit log4 there (power-of-two codes, a bf16 scale per 64 elements of a "
-        "row: 0.53 bytes a state element; not for centered RMSprop).", STATE_PRECISIONS)
+        "row: 0.53 bytes a state element; not for centered RMSprop), or log4_factored (log4 first moments, the "
+        "second moment as fp32 row and column sums: ~0.53 bytes a parameter for AdamW; rules with a second "
+        "moment).", STATE_PRECISIONS)
     rounding: str = _option("stochastic", PATCH, "How bf16 weights and states are rounded when stored.",
                             ROUNDINGS)
     backend: str = _option(
@@ -111,7 +113,7 @@ class ForgeConfig:
     def __post_init__(self):
         for f in fields(self):
             _check(self, f)
-        if self.state_precision == "log4":
+        if self.state_precision in ("log4", "log4_factored"):
             check_group(self.rule, self.state_precision, self.group())
         # a copy: the caller's dict may change after; read it, never change it
         object.__setattr__(self, "hyperparameters", dict(self.hyperparameters))

@@ -4,9 +4,10 @@ mu_product). ``state_dict`` is what optimizer checkpoints carry.
 
 A slot is an fp32 or bf16 tensor in the parameter's shape and layout, or, for the 8-bit
 precisions, a codecs.QuantisedSlot (codes in that layout, per-block metadata in logical
-(out, in / 64) coordinates); for log4, packed codes in logical (out, in / 2) layout. The
-codec of a slot follows from the precision and whether the rule's slot is signed
-(rules.Rule.slot_signed).
+(out, in / 64) coordinates); for log4, packed codes in logical (out, in / 2) layout; for
+log4_factored, the signed slots as log4's and the never-negative one a factored.FactoredSlot
+(row and column vectors). The codec of a slot follows from the precision and whether the
+rule's slot is signed (rules.Rule.slot_signed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import warnings
 import torch
 
 from .codecs import LEGACY_AL8, QuantisedSlot, saved_codec, slot_codec
+from .factored import FactoredSlot
 from .rules import Rule
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -32,11 +34,15 @@ def _logical(slot, transposed: bool):
 
 def check_group(rule: Rule, precision: str, group: dict) -> None:
     """Refuse a rule's hyperparameters the precision cannot serve, in one line."""
-    if precision == "log4" and rule.name == "rmsprop" and group.get("centered"):
-        # square_avg - grad_avg**2 of two 4-bit states (a code a factor 2 from the next) can
-        # turn negative: a NaN square root
-        raise ValueError("state_precision='log4' cannot serve rmsprop with centered=True (square_avg - grad_avg**2 "
-                         "of 4-bit states may turn negative): use centered=False, or state_precision='int8' or 'bf16'")
+    if precision in ("log4", "log4_factored") and rule.name == "rmsprop" and group.get("centered"):
+        # square_avg - grad_avg**2 of two 4-bit (or a factored and a 4-bit) states can turn
+        # negative: a NaN square root
+        raise ValueError(f"state_precision={precision!r} cannot serve rmsprop with centered=True (square_avg - "
+                         "grad_avg**2 of approximate states may turn negative): use centered=False, or "
+                         "state_precision='int8' or 'bf16'")
+    if precision == "log4_factored" and all(rule.slot_signed):
+        raise ValueError(f"state_precision='log4_factored' factors a second moment, and forge {rule.name} keeps "
+                         "none: use state_precision='log4'")
 
 
 class ForgeState:
@@ -78,6 +84,9 @@ class ForgeState:
 
     def _new_slot(self, param: torch.Tensor, index: int, fill: float):
         codec = slot_codec(self.stored_precision, self.rule.slot_signed[index])
+        if self.stored_precision == "log4_factored" and codec is None:
+            out_features, in_features = param.shape[::-1] if self.transposed else param.shape
+            return FactoredSlot.empty(out_features, in_features, param.device, fill)
         if codec is None:
             return torch.full_like(param, fill, dtype=_DTYPES[self.stored_precision],
                                    memory_format=torch.preserve_format).detach()
@@ -111,7 +120,7 @@ class ForgeState:
 
     def nbytes(self) -> int:
         """Bytes of the allocated state tensors, codes and metadata included."""
-        return sum(s.nbytes() if isinstance(s, QuantisedSlot) else s.untyped_storage().nbytes()
+        return sum(s.nbytes() if isinstance(s, (QuantisedSlot, FactoredSlot)) else s.untyped_storage().nbytes()
                    for s in self.slots if s is not None)
 
     def state_dict(self) -> dict:
@@ -121,6 +130,10 @@ class ForgeState:
                 # codes and metadata exactly as stored, and how to read them back
                 sd.update({name: s.codes, f"{name}_meta": s.meta, f"{name}_codec": s.codec.name,
                            "transposed": bool(self.transposed)})
+            elif isinstance(s, FactoredSlot):
+                # what the next step reads, as fp32 vectors (the other sets are zero or cleared by then)
+                rows, cols, total = s.current(self.step)
+                sd.update({f"{name}_row": rows.clone(), f"{name}_col": cols.clone(), f"{name}_total": total.clone()})
             elif s is not None:
                 sd[name] = s
         return sd
@@ -139,9 +152,36 @@ class ForgeState:
             )
         self.host = {k: sd[k] for k in self.rule.host_init()}
         for i, name in enumerate(self.rule.slot_names):
-            if name in sd:
+            if f"{name}_row" in sd or (name in sd and self._factored(i)):
+                self.slots[i] = self._loaded_factored(sd, name, i, param)
+            elif name in sd:
                 self.slots[i] = self._loaded_slot(sd, name, i, param)
         self.allocated = any(s is not None for s in self.slots) or self.host["step"] > 0
+
+    def _factored(self, index: int) -> bool:
+        return self.stored_precision == "log4_factored" and not self.rule.slot_signed[index]
+
+    def _loaded_factored(self, sd: dict, name: str, index: int, param: torch.Tensor):
+        """A factored moment saved as vectors (exact), or a full fp32/bf16 one factored here by its
+        row and column sums; into a full slot, the vectors' rank-1 estimate."""
+        if f"{name}_row" in sd:
+            rows, cols, total = (sd[f"{name}_{part}"].to(param.device).float() for part in ("row", "col", "total"))
+        elif f"{name}_codec" in sd:
+            raise ValueError(f"the {sd[f'{name}_codec']} codes of {name} cannot be factored on load: resume with the "
+                             f"precision they were saved in ({sd.get('precision')!r}), or from fp32/bf16 states")
+        else:
+            full = _logical(sd[name].to(param.device).float(), bool(self.transposed))
+            rows, cols, total = full.sum(1), full.sum(0), full.sum()
+        if not self._factored(index):
+            full = rows[:, None] * cols[None, :] * torch.where(total > 0, 1.0 / total, 0.0)
+            return self._loaded_slot({**sd, name: _logical(full, bool(self.transposed))}, name, index, param)
+        slot = self._new_slot(param, index, 0.0)
+        slot.vectors.zero_()
+        r, c, s = slot.current(self.host["step"])
+        r.copy_(rows)
+        c.copy_(cols)
+        s.copy_(total)
+        return slot
 
     def _loaded_slot(self, sd: dict, name: str, index: int, param: torch.Tensor):
         slot = self._new_slot(param, index, 0.0)

@@ -19,6 +19,7 @@ import torch
 
 from ..core.codecs import QuantisedSlot, storage_kinds
 from ..core.config import BACKENDS
+from ..core.factored import FactoredSlot
 from .launch.fused_update_launch import BoundLaunch
 from .launch.gluon_launch import tokens_unsupported
 from .reference import reference_fused_update
@@ -292,6 +293,7 @@ def copy_layer(weight, slots) -> tuple:
 
     slot_copies = [None if s is None else
                    dataclasses.replace(s, codes=copy(s.codes), meta=copy(s.meta)) if isinstance(s, QuantisedSlot)
+                   else dataclasses.replace(s, vectors=s.vectors.clone()) if isinstance(s, FactoredSlot)
                    else copy(s) for s in slots]
     return copy(weight), slot_copies
 

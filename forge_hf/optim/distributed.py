@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.config import DATA_PARALLEL_MODES, did_you_mean
+from ..core.factored import refuse_sharded
 from ..nn.linear import FusedWeightMixin
 
 
@@ -310,8 +311,11 @@ def enable_data_parallel(model: torch.nn.Module, mode: str = "sharded", group=No
     counts = TokenCounts(group) if fused and dist.is_initialized() else None  # one exchange per backward
     for module_name, module in fused:
         # a transposed (Conv1D) weight's rows are strided columns: replicate it
-        module.forge_dp = DataParallelFusion("replicated" if module.forge_transposed else mode, group,
-                                             row_group=row_group, counts=counts)
+        layer_mode = "replicated" if module.forge_transposed else mode
+        if layer_mode == "sharded":
+            refuse_sharded(module.forge_state.precision, module_name, "data_parallel='sharded'",
+                           "use data_parallel='replicated'")
+        module.forge_dp = DataParallelFusion(layer_mode, group, row_group=row_group, counts=counts)
         names.append(f"{module_name}.weight" if module_name else "weight")
     if not names:
         raise ValueError(

@@ -6,7 +6,8 @@ only: they choose the format; the chosen one lives in core/codecs.py for both ba
 Signed maps: a sign and 3 magnitude bits (magnitudes with 0). Never-negative maps: 16
 magnitudes with no zero code (a small v never becomes 0 under 1/sqrt(v)), or ``lin0`` with
 a zero code, to show that zero point; ``al4``: a geometric grid per group from its least
-positive value to its largest (two bf16 words a group).
+positive value to its largest (two bf16 words a group). ``factored``: a never-negative state
+kept as its row and column sums only (state_precision="log4_factored", core/factored.py).
 """
 
 from __future__ import annotations
@@ -81,3 +82,12 @@ def _al4(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     up = (v - lo_v) > u * (hi_v - lo_v)
     out = torch.where(lower < 0, grid[..., :1], torch.where(up, hi_v, lo_v))
     return torch.where(hi > 0, out, 0.0)
+
+
+def factored(v: torch.Tensor) -> torch.Tensor:
+    """A never-negative (rows, cols) state after being kept as its fp32 row sums R, column sums
+    C and total S, read back as R_i C_j / S (core/factored.py): its rank-1 estimate with the same
+    row and column sums."""
+    v = v.float()
+    rows, cols, total = v.sum(1), v.sum(0), v.sum()
+    return rows[:, None] * cols[None, :] * torch.where(total > 0, 1.0 / total, 0.0)

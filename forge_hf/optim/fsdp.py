@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from ..core.factored import refuse_sharded
 from ..nn.linear import FusedWeightMixin
 from .distributed import TokenCounts, TokenExchange, TokenGather
 from .tensor_parallel import MeshShards
@@ -128,6 +129,8 @@ def enable_fsdp(model: torch.nn.Module) -> list[str]:
     counts: dict[int, TokenCounts] = {}  # one exchange of token counts per backward and shard group
     names = []
     for name, layer in fused:
+        refuse_sharded(layer.forge_state.precision, name, "FSDP2's row shards",
+                       "exclude it in patch_model(exclude=[...])")
         entry = managed.get((id(layer), "weight"))
         if entry is None:
             raise ValueError(

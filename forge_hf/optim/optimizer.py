@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..core.codecs import QuantisedSlot
+from ..core.factored import FactoredSlot
 from ..core.rounding import layer_salt
 from ..core.state import ForgeState
 from ..kernels import (
@@ -420,6 +421,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         consts = torch.tensor(scalars, dtype=torch.float32).to(local.device).unbind()
         ok = torch.isfinite(g).all()
         if any(isinstance(s, QuantisedSlot) for s in slots) and not ok:
+            for s in slots:  # codes keep their values; a factored moment's sums must be carried
+                if isinstance(s, FactoredSlot):
+                    s.carry(state.step)
             return g.new_zeros((), dtype=torch.float32), g.new_ones((), dtype=torch.float32)  # codes cannot be masked
         # 1-d tensors as one row; an FSDP2 shard of one as a column (see _step_with_kernel)
         rows2d = w.shape[0] if w.dim() == 2 or shards is not None else 1
@@ -484,7 +488,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         allocation, ``model.to``)."""
         key = (shape, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype,
                *(None if s is None else (s.codes.data_ptr(), s.meta.data_ptr()) if isinstance(s, QuantisedSlot)
-                 else (s.data_ptr(), s.dtype) for s in slots))
+                 else s.vectors.data_ptr() if isinstance(s, FactoredSlot) else (s.data_ptr(), s.dtype) for s in slots))
         bound = self._launches.get(p)
         if bound is None or bound[0] != key:
             w = w.detach()

@@ -19,6 +19,7 @@ from ..core.codecs import decode, encode, slot_codec
 from ..core.config import ForgeConfig
 from ..core.rules import get_rule, make_group
 from ..kernels import TORCH_RULE_UPDATES
+from . import four_bit_maps
 
 SPREADS = {"narrow": 0.5, "medium": 2.0, "wide": 6.0}  # sigma of log2 of the scale, bits
 
@@ -43,6 +44,8 @@ def round_trip(x: torch.Tensor, precision: str, signed: bool, rounding: str = "n
                generator: torch.Generator | None = None) -> torch.Tensor:
     """``x`` (out, in) after being stored as one slot in ``precision`` and read back."""
     codec = slot_codec(precision, signed)
+    if codec is None and precision == "log4_factored":  # a factored second moment: its row and column sums
+        return four_bit_maps.factored(x)
     if codec is None:
         return x.to({"fp32": torch.float32, "bf16": torch.bfloat16}[precision]).float()
     stochastic = rounding == "stochastic" and codec.stochastic
@@ -109,7 +112,8 @@ def quantization_report(states: dict | None = None, grad: torch.Tensor | None = 
     report = QuantizationReport(precision, r.name, e_upd=e_upd(stored))
     for name, value in states.items():
         codec = slot_codec(precision, signed[name])
-        report.codecs[name] = codec.name if codec is not None else precision
+        report.codecs[name] = codec.name if codec is not None else "factored" if precision == "log4_factored" \
+            else precision
         report.relative_l2[name] = float((stored[name] - value).norm() / value.norm().clamp_min(1e-30))
         report.e_upd_slot[name] = e_upd({**states, name: stored[name]})
     return report

@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..core.factored import refuse_sharded
+
 # transformers' TensorParallelLayer.install_forward replaces a module's forward by this closure
 TRANSFORMERS_TP_FORWARD = "TensorParallelLayer.install_forward.<locals>.tp_forward"
 
@@ -162,6 +164,8 @@ def attach(layer) -> None:
     transformers plan's forward is installed again around the fused forward."""
     if not isinstance(layer.weight, DTensor) or layer.forge_tp is not None:
         return
+    refuse_sharded(layer.forge_state.precision, layer.forge_name, "tensor parallelism",
+                   "exclude it in patch_model(exclude=[...])")
     layer.forge_tp = TensorParallelWeight(layer)
     forward = layer.__dict__.get("forward")
     if forward is not None and _is_transformers_tp(forward):

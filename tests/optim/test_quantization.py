@@ -127,7 +127,8 @@ def test_stochastic_codes_are_reported_with_their_larger_error():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(precision="fp8"),
-     r"unknown state_precision='fp8': choose one of \['auto', 'fp32', 'bf16', 'int8', 'al8', 'log4'\]"),
+     r"unknown state_precision='fp8': choose one of "
+     r"\['auto', 'fp32', 'bf16', 'int8', 'al8', 'log4', 'log4_factored'\]"),
     (dict(precision="auto"), r"measures one storage precision, and 'auto' picks one by the weights' dtype: give "),
     (dict(spread="huge"), r"unknown spread='huge': choose one of \['narrow', 'medium', 'wide'\]"),
     (dict(rule="adam"), r"unknown optimizer 'adam' for forge"),

@@ -54,7 +54,8 @@ def weight_layout_unsupported(weight, slots, kinds, multiple: int) -> str | None
         return "weight is not row-major and 16-byte aligned"
     for slot, kind in zip(slots, kinds):
         if kind not in KINDS:
-            return "a state slot is neither bf16, int8, al8 nor absent (4-bit codes: the Triton kernel)"
+            return ("a state slot is neither bf16, int8, al8 nor absent (4-bit codes, factored second moments: the "
+                    "Triton kernel)")
         codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
         if codes is not None and (codes.stride() != weight.stride() or not aligned(codes)):
             return "a state slot is not laid out as the weight"

@@ -6,7 +6,8 @@ Shapes: x (T, K), dy (T, N), weight/states (N, K) through arbitrary strides, so 
 transposed (Conv1D) weight needs no copy. 8-bit states add fp32 metadata (N, KB, width),
 KB = ceil(K / 64), stored block column by block column (codecs.meta_strides); 4-bit states
 are row-major (N, ceil(K / 2)) bytes with bf16 scales (N, ceil(K / GROUP4), 1), laid out the
-same way (passed as int16). ``args`` is
+same way (passed as int16). A factored second moment is its fp32 vectors (3, N + K + 1)
+(core/factored.py, triton/factored_tiles.py). ``args`` is
 int32: NUM_SCALARS fp32 bit patterns of the rule's constants, then the step, the rounding
 salt and the index of the weight's first row in the whole weight (the rounding bits follow
 the whole weight). ``stats`` (fp32, 2): the applied tiles' squared gradient sum, and the
@@ -23,9 +24,11 @@ import triton.language as tl
 
 from ...core import codecs
 from ...core.codecs import QuantisedSlot, storage_kinds
+from ...core.factored import SETS, FactoredSlot
 from ...core.rules import RULES, bind_update
 from ..runtime.compiled import launch_compiled
 from .bf16_bits import decode_value, element_hash, load_tile, store_value
+from .factored_tiles import FACTORED, add_factored, load_factored
 from .state_tiles import (
     NONE,
     block_index,
@@ -132,12 +135,19 @@ def fused_update_kernel(
     s0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     s1 = s0
     s2 = s0
-    if S0 != NONE:
+    if S0 == FACTORED:
+        s0 = load_factored(s0_ptr, rn, rk, N, K, step)
+    elif S0 != NONE:
         s0 = decode_state(r0, meta0, S0, BLOCK_N, BLOCK_K)
-    if S1 != NONE:
+    if S1 == FACTORED:
+        s1 = load_factored(s1_ptr, rn, rk, N, K, step)
+    elif S1 != NONE:
         s1 = decode_state(r1, meta1, S1, BLOCK_N, BLOCK_K)
-    if S2 != NONE:
+    if S2 == FACTORED:
+        s2 = load_factored(s2_ptr, rn, rk, N, K, step)
+    elif S2 != NONE:
         s2 = decode_state(r2, meta2, S2, BLOCK_N, BLOCK_K)
+    v0, v1, v2 = s0, s1, s2  # a factored moment's V_{t-1}: what a skipped tile sums in
     w, s0, s1, s2 = RULE_UPDATE(w, acc, s0, s1, s2, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9],
                                 c[10], c[11])
 
@@ -149,14 +159,24 @@ def fused_update_kernel(
     if ok:
         store_value(w_ptr, offs, w, io_mask, h, 0, W_BF16, STOCHASTIC)
         if S0 != NONE:
-            store_state(s0_ptr, m0_ptr, s_offs, s0, mask, s_keep, block, block_mask, h, 1,
-                        S0, STOCHASTIC, BLOCK_N, BLOCK_K)
+            if S0 != FACTORED:
+                store_state(s0_ptr, m0_ptr, s_offs, s0, mask, s_keep, block, block_mask, h, 1,
+                            S0, STOCHASTIC, BLOCK_N, BLOCK_K)
         if S1 != NONE:
-            store_state(s1_ptr, m1_ptr, s_offs, s1, mask, s_keep, block, block_mask, h, 2,
-                        S1, STOCHASTIC, BLOCK_N, BLOCK_K)
+            if S1 != FACTORED:
+                store_state(s1_ptr, m1_ptr, s_offs, s1, mask, s_keep, block, block_mask, h, 2,
+                            S1, STOCHASTIC, BLOCK_N, BLOCK_K)
         if S2 != NONE:
-            store_state(s2_ptr, m2_ptr, s_offs, s2, mask, s_keep, block, block_mask, h, 3,
-                        S2, STOCHASTIC, BLOCK_N, BLOCK_K)
+            if S2 != FACTORED:
+                store_state(s2_ptr, m2_ptr, s_offs, s2, mask, s_keep, block, block_mask, h, 3,
+                            S2, STOCHASTIC, BLOCK_N, BLOCK_K)
+    # a factored moment's sums, skipped tile or not (it then carries V_{t-1} on)
+    if S0 == FACTORED:
+        add_factored(s0_ptr, tl.where(ok, s0, v0), mask, rn, rk, N, K, step, BLOCK_N, BLOCK_K)
+    if S1 == FACTORED:
+        add_factored(s1_ptr, tl.where(ok, s1, v1), mask, rn, rk, N, K, step, BLOCK_N, BLOCK_K)
+    if S2 == FACTORED:
+        add_factored(s2_ptr, tl.where(ok, s2, v2), mask, rn, rk, N, K, step, BLOCK_N, BLOCK_K)
 
 
 def default_config(N: int, K: int, T: int) -> dict:
@@ -180,6 +200,12 @@ def _slot_pointers(slot, weight: torch.Tensor, dummy: torch.Tensor):
     """(values or codes, metadata) tensors of one slot; a missing slot points at dummies."""
     if slot is None:
         return _as_bits(weight), dummy
+    if isinstance(slot, FactoredSlot):
+        n, k = weight.shape
+        if tuple(slot.vectors.shape) != (SETS, n + k + 1) or not slot.vectors.is_contiguous():
+            raise ValueError(f"factored vectors of shape {tuple(slot.vectors.shape)} do not fit a {(n, k)} weight: "
+                             f"they must be a contiguous {(SETS, n + k + 1)}, as FactoredSlot.empty allocates them")
+        return slot.vectors, dummy
     codes = slot.codes if isinstance(slot, QuantisedSlot) else slot
     if isinstance(slot, QuantisedSlot) and slot.codec.bits == 4:
         packed = codecs.packed_shape(*weight.shape)
@@ -225,7 +251,8 @@ def fused_launch_arguments(
     if quantised and BK % codecs.BLOCK:
         raise ValueError(f"BLOCK_K={BK} splits the {codecs.BLOCK}-element blocks of quantised states: "
                          f"use a BLOCK_K that is a multiple of {codecs.BLOCK}")
-    four_bit = [isinstance(s, QuantisedSlot) and s.codec.bits == 4 for s in slots if s is not None]
+    four_bit = [isinstance(s, QuantisedSlot) and s.codec.bits == 4 for s in slots
+                if s is not None and not isinstance(s, FactoredSlot)]  # factored vectors: no tile
     if any(four_bit) and not all(four_bit):
         raise ValueError("4-bit state slots share a layer's kernel only with other 4-bit slots (their tiles are "
                          "packed bytes): store every state of the layer as log4, as ForgeState does")

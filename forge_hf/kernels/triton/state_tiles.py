@@ -24,6 +24,7 @@ ABSMAX8_FLOORED = tl.constexpr(codecs.ABSMAX8_FLOORED)
 AL8 = tl.constexpr(codecs.AL8)
 SLOG4 = tl.constexpr(codecs.SLOG4)
 LOG4 = tl.constexpr(codecs.LOG4)
+FACTORED = tl.constexpr(codecs.FACTORED)
 QBLOCK = tl.constexpr(codecs.BLOCK)
 GROUP4 = tl.constexpr(codecs.GROUP4)
 UNIT = tl.constexpr(codecs.UNIT)
@@ -169,6 +170,8 @@ def load_state_raw(ptr, offs, mask, KIND: tl.constexpr, EVEN: tl.constexpr):
     reads it). A missing slot reads nothing."""
     if KIND == NONE:
         raw = 0
+    elif KIND == FACTORED:  # vectors, not a tile (kernels/triton/factored_tiles.py)
+        raw = 0
     else:
         raw = load_tile(ptr, offs, mask, EVEN)
     return raw
@@ -183,6 +186,8 @@ def load_meta(meta_ptr, block, block_mask, KIND: tl.constexpr):
         meta = tl.load(meta_ptr + block, mask=block_mask, other=0).to(tl.int32)
     elif KIND == LOG4:
         meta = tl.load(meta_ptr + block, mask=block_mask, other=0).to(tl.int32)
+    elif KIND == FACTORED:
+        meta = 0.0
     elif KIND >= ABSMAX8:
         meta = tl.load(meta_ptr + block, mask=block_mask, other=0.0)
     else:

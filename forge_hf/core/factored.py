@@ -1,0 +1,113 @@
+"""A factored second moment (state_precision="log4_factored"): a fused layer's never-negative
+state v (N, K) kept as a row vector R (N), a column vector C (K) and their total S, all fp32,
+read as v_ij ~ R_i C_j / S (Adafactor's rank-1 estimate; S = sum R = sum C). 4 (N + K + 1)
+bytes a vector set instead of N K states: ~0 bytes a parameter.
+
+Tile-local by a one-step lag (docs/architecture.md, "Factored second moment"): at step t each
+tile reads the history V_{t-1} from the vectors accumulated through step t-1, the rule forms
+v = b2 V_{t-1} + (1 - b2) g**2 elementwise (its own code, unchanged: the current gradient
+enters exactly), and the tile adds v's row sums, column sums and total into the vectors of
+step t with atomics. Row sums of V_{t-1} are R_{t-1} exactly, so the sums are
+R_t = b2 R_{t-1} + (1 - b2) rowsum(g_t**2): the EMA of the squared gradient's row sums, with
+no pass of its own. A skipped (non-finite) tile adds its V_{t-1} unchanged.
+
+Three vector sets rotate by the step count t (the kernels' step word, so a CUDA graph's
+replay rotates too): set (t - 1) % 3 is read, set t % 3 is summed into (zero at the start of
+the step), set (t + 1) % 3 (read at step t - 1, summed into at step t + 1) is cleared by the
+tiles of the first tile column (its rows), of the first tile row (its columns) and tile (0, 0)
+(the total). No host work a step, no launch of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SETS = 3  # vector sets: read, summed into, cleared
+
+
+def read_set(step: int) -> int:
+    """The set step ``step`` (1-based, the rule's count after prepare) reads."""
+    return (step - 1) % SETS
+
+
+def sum_set(step: int) -> int:
+    return step % SETS
+
+
+def clear_set(step: int) -> int:
+    return (step + 1) % SETS
+
+
+def refuse_sharded(precision: str, name: str, how: str, fix: str) -> None:
+    """A factored moment needs its layer's whole rows and columns in one process: refuse
+    ``how`` (a sharding) for fused layer ``name``."""
+    if precision == "log4_factored":
+        raise ValueError(f"state_precision='log4_factored' keeps whole-row and whole-column sums of fused layer "
+                         f"{name}, which {how} splits: {fix}, or use state_precision='log4'")
+
+
+@dataclass
+class FactoredSlot:
+    """``vectors`` fp32 (SETS, N + K + 1): each set R (N), C (K), S, in logical (out, in)
+    coordinates whatever the parameter's layout."""
+
+    vectors: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, device, fill: float = 0.0) -> FactoredSlot:
+        """Every element ``fill`` (Adagrad's initial accumulator): set 0, which step 1 reads."""
+        vectors = torch.zeros(SETS, out_features + in_features + 1, dtype=torch.float32, device=device)
+        slot = cls(vectors, out_features, in_features)
+        if fill != 0.0:
+            slot.set_vectors(0, torch.full((out_features,), fill * in_features),
+                             torch.full((in_features,), fill * out_features),
+                             torch.tensor(fill * out_features * in_features))
+        return slot
+
+    def parts(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(R, C, S) of set ``index``, views."""
+        n = self.out_features
+        v = self.vectors[index]
+        return v[:n], v[n:-1], v[-1]
+
+    def set_vectors(self, index: int, rows: torch.Tensor, cols: torch.Tensor, total: torch.Tensor) -> None:
+        r, c, s = self.parts(index)
+        r.copy_(rows)
+        c.copy_(cols)
+        s.copy_(total)
+
+    def read(self, step: int, rows=slice(None), cols=slice(None)) -> torch.Tensor:
+        """V_{step-1} on (rows, cols): R_i C_j / S, the products in the Triton kernel's order."""
+        r, c, s = self.parts(read_set(step))
+        inverse = torch.where(s > 0, 1.0 / s, 0.0)  # 1 / S correctly rounded: a quotient of tensors
+        return r[rows][:, None] * c[cols][None, :] * inverse
+
+    def add(self, step: int, value: torch.Tensor, rows=slice(None), cols=slice(None)) -> None:
+        """A tile's new v into step ``step``'s sums: its row sums, column sums and total (the
+        sum of its row sums, as the kernel takes it)."""
+        r, c, s = self.parts(sum_set(step))
+        row_sums = value.sum(1)
+        r[rows] += row_sums
+        c[cols] += value.sum(0)
+        s += row_sums.sum()
+
+    def clear(self, step: int) -> None:
+        """The set step ``step + 1`` sums into."""
+        self.vectors[clear_set(step)].zero_()
+
+    def carry(self, step: int) -> None:
+        """A step skipped whole (a non-finite gradient where codes cannot be masked): the
+        moment carries on unchanged into the set the next step reads."""
+        self.clear(step)
+        self.vectors[sum_set(step)].copy_(self.vectors[read_set(step)])
+
+    def current(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(R, C, S) after step ``step``: what step ``step + 1`` reads, and a checkpoint keeps."""
+        return self.parts(sum_set(step))
+
+    def nbytes(self) -> int:
+        return self.vectors.untyped_storage().nbytes()
