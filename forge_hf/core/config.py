@@ -10,8 +10,8 @@ import difflib
 import os
 from dataclasses import dataclass, field, fields
 
+from .precision_checks import check_group
 from .rules import RULES, Rule, get_rule, make_group
-from .state import check_group
 
 STATE_PRECISIONS = ("auto", "fp32", "bf16", "int8", "al8", "log4", "log4_factored")
 ROUNDINGS = ("stochastic", "nearest")

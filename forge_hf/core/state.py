@@ -18,6 +18,7 @@ import torch
 
 from .codecs import LEGACY_AL8, QuantisedSlot, saved_codec, slot_codec
 from .factored import FactoredSlot
+from .precision_checks import check_group
 from .rules import Rule
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -30,19 +31,6 @@ def _logical(slot, transposed: bool):
     if isinstance(slot, QuantisedSlot):
         return slot.logical(transposed)
     return slot.t() if transposed else slot
-
-
-def check_group(rule: Rule, precision: str, group: dict) -> None:
-    """Refuse a rule's hyperparameters the precision cannot serve, in one line."""
-    if precision in ("log4", "log4_factored") and rule.name == "rmsprop" and group.get("centered"):
-        # square_avg - grad_avg**2 of two 4-bit (or a factored and a 4-bit) states can turn
-        # negative: a NaN square root
-        raise ValueError(f"state_precision={precision!r} cannot serve rmsprop with centered=True (square_avg - "
-                         "grad_avg**2 of approximate states may turn negative): use centered=False, or "
-                         "state_precision='int8' or 'bf16'")
-    if precision == "log4_factored" and all(rule.slot_signed):
-        raise ValueError(f"state_precision='log4_factored' factors a second moment, and forge {rule.name} keeps "
-                         "none: use state_precision='log4'")
 
 
 class ForgeState:

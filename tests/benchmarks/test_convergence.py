@@ -78,12 +78,12 @@ def test_every_arm_starts_from_the_same_weights(run):
             assert torch.equal(w, expected), f"{arm} at lr {lr}: {name} differs from the shared initialisation"
 
 
-def test_every_arm_sees_the_same_batches_in_the_same_order(run):
+def test_every_arm_sees_the_same_batches_in_the_same_order(convergence, run):
     _, recorder, _ = run
     reference = recorder.batches["fp32_master", LRS[0]]
     assert len(reference) == STEPS
     assert not any(torch.equal(a, b) for a, b in zip(reference, reference[1:]))  # the order matters
-    assert len(recorder.batches) == 2 * 7
+    assert len(recorder.batches) == len(LRS) * len(convergence.ALL_ARMS)
     for (arm, lr), batches in recorder.batches.items():
         assert len(batches) == STEPS and all(torch.equal(a, b) for a, b in zip(batches, reference)), (arm, lr)
 
@@ -101,7 +101,7 @@ def test_reference_held_out_loss_falls(run):
 def test_curves_json_plot_and_table_and_redrawing_them(convergence, run, tmp_path):
     result, _, paths = run
     saved = json.loads(paths["json"].read_text())
-    assert saved["runs"] == result["runs"] and len(saved["runs"]) == 2 * 7
+    assert saved["runs"] == result["runs"] and len(saved["runs"]) == len(LRS) * len(convergence.ALL_ARMS)
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = paths["md"].read_text()
     assert all(f"| {a} | {lr:g} |" in table for a in convergence.ARMS for lr in LRS)
