@@ -102,12 +102,23 @@ def plan_embeddings(model: nn.Module, config: ForgeConfig, owners: dict) -> list
     return plan
 
 
+# The compact rows are stepped a chunk of rows a launch: a factored second moment's sums span
+# every row of the matrix, so the embedding keeps the same precision's codes unfactored.
+UNFACTORED = {"log4_factored": "log4"}
+
+
+def compact_precision(precision: str) -> str:
+    """The precision an embedding stepped from its compact rows keeps under ``precision``."""
+    return UNFACTORED.get(precision, precision)
+
+
 def state_precisions(config: ForgeConfig, dtype: torch.dtype) -> tuple[str, str]:
     """The states' precision of an embedding of ``dtype`` stepped from its compact rows (the
     layer precision, embedding_step.py) and on the ordinary path (16-bit under 8-bit), as
     ForgeState stores them."""
     precision = config.state_precision_for(dtype)
-    return tuple(ForgeState(config.rule, precision, transposed).stored_precision for transposed in (False, None))
+    return (ForgeState(config.rule, compact_precision(precision), False).stored_precision,
+            ForgeState(config.rule, precision, None).stored_precision)
 
 
 def apply_embeddings(plan, config: ForgeConfig) -> list[EmbeddingEntry]:

@@ -34,6 +34,7 @@ from ..core.row_slots import RowSlots, Staging
 from ..kernels import ARGS_LEN, ROW_STRIDE, BoundLaunch, next_launch_args, reference_rule_rows
 from ..nn.compact_rows import add_into_dense, chunk_gradient
 from ..nn.embedding import ForgeEmbedding
+from .embedding_patch import compact_precision
 
 TILE_ROWS = 64  # the Triton kernel's tile height (fused_update.default_config)
 
@@ -72,8 +73,9 @@ class EmbeddingSteps:
             state = owner.state.get(module.weight)
             if state is not None:
                 # a (vocab, hidden) weight stepped row-major: its states in the layer precision,
-                # as a fused layer's weight keeps them (ForgeState.stored_precision)
+                # as a fused layer's weight keeps them (ForgeState.stored_precision), unfactored
                 state.transposed = False
+                state.precision = compact_precision(state.precision)
         self._buffers: dict[tuple, torch.Tensor] = {}  # (device, dtype, hidden) -> the chunk buffer
         self._staging = Staging()  # a chunk's 8-bit metadata, in the kernel's layout
         self._launches: dict[tuple, tuple] = {}  # (weight, first row) -> (its layout, BoundLaunch, RowSlots)

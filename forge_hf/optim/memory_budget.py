@@ -20,6 +20,7 @@ from ..core.config import ForgeConfig
 from ..core.state import ForgeState
 from ..nn.held_gradient import trainer_bytes
 from ..nn.linear import FusedWeightMixin
+from .embedding_patch import compact_precision
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ def memory_budget(model: nn.Module, config: ForgeConfig, compact_embeddings: set
     if embeddings:
         # in the layer precision: stepped row-major, as embedding_step.py marks its ForgeState
         rows.append(BudgetRow("states, embedding", sum(p.numel() for p in embeddings),
-                              sum(_state_bytes(config, tuple(p.shape), p.dtype, config.state_precision_for(p.dtype),
-                                               False) for p in embeddings),
+                              sum(_state_bytes(config, tuple(p.shape), p.dtype,
+                                               compact_precision(config.state_precision_for(p.dtype)), False)
+                                  for p in embeddings),
                               "its gradient: the rows a batch touches, no dense gradient"))
     rows += [
         BudgetRow("states, other parameters", sum(p.numel() for p in ordinary),

@@ -22,7 +22,7 @@ def _train_one_step(model):
     return opt
 
 
-@pytest.mark.parametrize("precision", ["auto", "int8", "log4"])
+@pytest.mark.parametrize("precision", ["auto", "int8", "log4", "log4_factored"])
 def test_the_predicted_states_are_the_bytes_the_optimizer_allocates(precision):
     model = tiny_llama(VOCAB, HIDDEN, FFN).to(torch.bfloat16)
     report = forge_hf.patch_model(model, state_precision=precision, min_params=0, backend="reference")
@@ -62,3 +62,13 @@ def test_a_report_whose_model_is_gone_has_no_budget():
 
     gc.collect()
     assert report.memory() == []
+
+
+def test_under_log4_factored_the_compact_embedding_keeps_log4_codes():
+    """Its rows are stepped a chunk a launch, and a factored moment's sums span every row."""
+    model = tiny_llama(VOCAB, HIDDEN, FFN).to(torch.bfloat16)
+    report = forge_hf.patch_model(model, state_precision="log4_factored", min_params=0)
+    assert "states log4" in str(report) and "states log4_factored" not in str(report)
+    opt = _train_one_step(model)
+    assert opt.state[model.model.embed_tokens.weight].stored_precision == "log4"
+    assert opt.state[model.lm_head.weight].stored_precision == "log4_factored"
