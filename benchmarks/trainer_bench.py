@@ -475,6 +475,9 @@ def main() -> None:
                    "torch.profiler: each arm's GPU kernels by time a step")
     p.add_argument("--details-dir", help="where --memory-steps and --profile-steps write an arm's JSON "
                    "(MODEL_BATCH_ARM.json, the arm's + as -)")
+    p.add_argument("--memory-cap-gib", type=float, default=0.0,
+                   help="cap this process's GPU memory at this many GiB (torch.cuda.set_per_process_memory_fraction): "
+                   "a smaller card's room, simulated")
     p.add_argument("--out", help="also write the rows as JSON here")
     add_table_option(p)
     opts = p.parse_args()
@@ -488,6 +491,11 @@ def main() -> None:
         p.error("--memory-steps and --profile-steps write their findings to --details-dir: give one")
     if opts.rounds < 1:
         p.error(f"--rounds {opts.rounds}: give 1 or more")
+    if opts.memory_cap_gib < 0:
+        p.error(f"--memory-cap-gib {opts.memory_cap_gib}: give a size in GiB, or 0 for the whole card")
+    if opts.memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, opts.memory_cap_gib / total))
     SFT["padding_free"] = opts.collator == "flat"
     if opts.gradient_checkpointing == "on":
         TRAINING_ARGS["gradient_checkpointing"] = True
@@ -505,6 +513,7 @@ def main() -> None:
                 label += "+gradient_checkpointing" * (opts.gradient_checkpointing == "on")
                 label += f"+accumulation{opts.accumulation}" * (opts.accumulation > 1)
                 label += f"+clip{opts.max_grad_norm:g}" * (opts.max_grad_norm > 0)
+                label += f"+cap{opts.memory_cap_gib:g}GiB" * (opts.memory_cap_gib > 0)
                 cell = Cell(text, opts.collator)
                 row = dict(model=model_name, batch=cell.label, arm=label,
                            tool="trainer_bench")

@@ -141,3 +141,12 @@ def test_the_report_orders_cells_of_varying_lengths():
         assert report.cell_size("4x128-512") == (4, 512)
         assert report.cell_size("4x128-512/flat") == (4, 512)
         assert report.cell_size("params") == (0, 0)
+
+
+def test_a_negative_memory_cap_is_refused_with_its_value(trainer_bench, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["trainer_bench.py", "--memory-cap-gib", "-1"])
+    with pytest.raises(SystemExit):
+        trainer_bench.main()
+    assert "--memory-cap-gib -1.0: give a size in GiB" in capsys.readouterr().err
