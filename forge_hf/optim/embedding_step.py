@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..core.codecs import QuantisedSlot
+from ..core.codecs import QuantisedSlot, slot_codec
 from ..core.row_slots import RowSlots, Staging
 from ..kernels import ARGS_LEN, ROW_STRIDE, BoundLaunch, next_launch_args, reference_rule_rows
 from ..nn.compact_rows import add_into_dense, chunk_gradient
@@ -71,9 +71,10 @@ class EmbeddingSteps:
             module.forge_take(owner)
             self.layers[module.weight] = module
             state = owner.state.get(module.weight)
-            if state is not None:
-                # a (vocab, hidden) weight stepped row-major: its states in the layer precision,
-                # as a fused layer's weight keeps them (ForgeState.stored_precision), unfactored
+            if state is not None and slot_codec(compact_precision(state.precision), True) is not None:
+                # a (vocab, hidden) weight stepped row-major: its codes in the layer precision, as
+                # a fused layer's weight keeps them (ForgeState.stored_precision), unfactored.
+                # 16-bit and fp32 states stay the ordinary path's, whose checkpoints they share.
                 state.transposed = False
                 state.precision = compact_precision(state.precision)
         self._buffers: dict[tuple, torch.Tensor] = {}  # (device, dtype, hidden) -> the chunk buffer

@@ -44,8 +44,10 @@ CASES = {
     # the default checkpoint of TrainingArguments' fsdp_config: whole states, one file
     "full": (dict(state_dict_type="FULL_STATE_DICT"), {}, "", True),
     # accelerate's FSDP2 default: each rank's rows through DCP, 8-bit states included; its
-    # optimizer checkpoint is also loaded again, here or in another world size (RESHARD)
-    "sharded": (dict(state_dict_type="SHARDED_STATE_DICT"), {}, ",state_precision=int8", True),
+    # optimizer checkpoint is also loaded again, here or in another world size (RESHARD). The
+    # embedding on the ordinary path in one process too: several processes keep it there, with
+    # 16-bit states, where one process's compact embedding would keep 8-bit codes
+    "sharded": (dict(state_dict_type="SHARDED_STATE_DICT"), {}, ",state_precision=int8,fuse_embedding=false", True),
     # accelerate's activation checkpointing of the decoder layers, activations offloaded
     "checkpointed": (dict(activation_checkpointing=True), {}, "", False),
     # the Trainer's own activation (gradient) checkpointing: transformers' checkpoint of each decoder layer
