@@ -242,4 +242,7 @@ def test_compiles_without_a_graph_break(single_thread):
             optimizer.step()
             optimizer.zero_grad()
         results.append(model.model.embed_tokens.weight.detach().clone())
-    assert torch.equal(*results)
+    if DEVICE.type == "cpu":
+        assert torch.equal(*results)
+    else:  # CUDA: the compiled forward and backward are other kernels, whose fp32 sums round otherwise
+        torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)

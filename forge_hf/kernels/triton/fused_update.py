@@ -81,7 +81,10 @@ def fused_update_kernel(
     else:
         io_mask = mask
     offs = rn[:, None] * stride_wn + rk[None, :] * stride_wk
-    s_offs, s_mask, s_keep = offs, mask, io_mask  # where the state tiles lie
+    # where the state tiles lie (one name a statement: a Triton tuple cannot hold io_mask's None)
+    s_offs = offs
+    s_mask = mask
+    s_keep = io_mask
     if FOUR_BIT:
         block, block_mask = group_index(rn, tl.program_id(1), N, K, BLOCK_K)
         s_offs, s_mask = packed_index(rn, tl.program_id(1), N, K, BLOCK_K)
