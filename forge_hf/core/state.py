@@ -33,6 +33,14 @@ def _logical(slot, transposed: bool):
     return slot.t() if transposed else slot
 
 
+def slots_key(slots) -> tuple:
+    """Where state slots lie (their storage, dtype or codec): a launch bound to them is made
+    again when this changes (a load, an allocation, ``model.to``)."""
+    return tuple(None if s is None else (s.codes.data_ptr(), s.meta.data_ptr(), s.codec)
+                 if isinstance(s, QuantisedSlot) else s.vectors.data_ptr() if isinstance(s, FactoredSlot)
+                 else (s.data_ptr(), s.dtype) for s in slots)
+
+
 class ForgeState:
     """``transposed``: for a fused layer's weight, whether the parameter is stored
     (in, out) (Conv1D), and False for a fused embedding's (optim/embedding_step.py); None for

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.codecs import QuantisedSlot, slot_codec
 from ..core.row_slots import RowSlots, Staging
+from ..core.state import slots_key
 from ..kernels import ARGS_LEN, ROW_STRIDE, BoundLaunch, next_launch_args, reference_rule_rows
 from ..nn.compact_rows import add_into_dense, chunk_gradient
 from ..nn.embedding import ForgeEmbedding
@@ -180,9 +181,7 @@ class EmbeddingSteps:
     def _launch_for(self, p, r0: int, m: int, slots) -> tuple[BoundLaunch, RowSlots]:
         """The rule pass bound to rows [r0, r0 + m) of ``p`` and its slots, and those rows of
         the slots, made again when the weight or a slot moved (a load, an allocation, ``model.to``)."""
-        key = (p.data_ptr(), tuple(p.shape), p.dtype,
-               *(None if s is None else (s.codes.data_ptr(), s.meta.data_ptr(), s.codec)
-                 if isinstance(s, QuantisedSlot) else (s.data_ptr(), s.dtype) for s in slots))
+        key = (p.data_ptr(), tuple(p.shape), p.dtype, *slots_key(slots))
         bound = self._launches.get((p, r0))
         if bound is None or bound[0] != key:
             rows = RowSlots(slots, slice(r0, r0 + m), p.shape[1], self._staging)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from ..core.codecs import QuantisedSlot
 from ..core.factored import FactoredSlot
 from ..core.rounding import layer_salt
-from ..core.state import ForgeState
+from ..core.state import ForgeState, slots_key
 from ..kernels import (
     BoundLaunch,
     MultiTensorRulePass,
@@ -256,15 +256,19 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sq, bad = totals[0], totals[1]
         shard_totals = {}  # DTensor pieces: ids of groups -> (groups, [squared sum, skipped]) of this rank's
         pooled = {}  # device -> [squared sum, skipped] the kernel adds every whole tensor's into
+
+        def pooled_on(device) -> torch.Tensor:
+            stats = pooled.get(device)
+            if stats is None:
+                stats = pooled[device] = torch.zeros(2, device=device)
+            return stats
         batches: dict[int, MultiTensorRulePass] = {}  # in launch order
         try:
             for group, p in self._with_grads():
                 shards = self._shards.get(p)
                 stats = None
                 if self._kernel and shards is None:
-                    stats = pooled.get(p.device)
-                    if stats is None:
-                        stats = pooled[p.device] = torch.zeros(2, device=p.device)
+                    stats = pooled_on(p.device)
                     if p not in self._layers and self._add_to_batch(p, group, batches):  # norms, biases
                         continue
                 sums = self._step_tensor(p, group, stats)
@@ -279,11 +283,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     part = shard_totals.setdefault(tuple(map(id, groups)), (groups, torch.zeros(2)))[1]
                     part += torch.stack([p_sq.float().cpu(), p_bad.float().cpu()])
             for group, p in self._embeddings.pending(self.param_groups):
-                stats = None
-                if self._kernel:
-                    stats = pooled.get(p.device)
-                    if stats is None:
-                        stats = pooled[p.device] = torch.zeros(2, device=p.device)
+                stats = pooled_on(p.device) if self._kernel else None
                 sums = self._embeddings.step(p, group, self.state[p], self._salt[p], stats)
                 if sums is not None:
                     sq += sums[0].to(self._device)
@@ -486,9 +486,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """``p``'s bound rule pass (kernels/launch/fused_update_launch.py) on ``w`` and its slots, viewed as
         ``shape`` if given, made again when the weight or a state slot moved (a load, an
         allocation, ``model.to``)."""
-        key = (shape, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype,
-               *(None if s is None else (s.codes.data_ptr(), s.meta.data_ptr()) if isinstance(s, QuantisedSlot)
-                 else s.vectors.data_ptr() if isinstance(s, FactoredSlot) else (s.data_ptr(), s.dtype) for s in slots))
+        key = (shape, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, *slots_key(slots))
         bound = self._launches.get(p)
         if bound is None or bound[0] != key:
             w = w.detach()
