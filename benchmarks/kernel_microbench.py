@@ -28,6 +28,7 @@ import torch
 import triton
 
 from forge_hf.core.config import STATE_PRECISIONS
+from forge_hf.core.factored import FactoredSlot
 from forge_hf.core.rules import get_rule, make_group
 from forge_hf.core.state import ForgeState
 from forge_hf.kernels import (
@@ -88,6 +89,8 @@ def layer(n: int, k: int, tokens: int, precision: str, seed: int = 0):
     for s in state.kernel_slots():
         if isinstance(s, torch.Tensor):
             s.copy_(torch.rand(n, k, device="cuda", generator=g) * 1e-4)
+        elif isinstance(s, FactoredSlot):
+            s.vectors.copy_(torch.rand(s.vectors.shape, device="cuda", generator=g) * 1e-4)
         elif s is not None:
             s.write(torch.rand(n, k, device="cuda", generator=g) * 1e-4)
     for _ in range(3):

@@ -354,6 +354,7 @@ def _run_arm(arm: str, model_name: str, cell: Cell, steps: int, warmup: int, bf1
     note = f"{len(timed)} steps after {warmup}; IQR; timed steps' peak {steady:.2f} GiB" + \
         (f"; graphs={graphs}, captured in {capture_s:.2f} s" if forge else "") + \
         f"; peak reserved {reserved:.2f} GiB" + \
+        (f"; PYTORCH_CUDA_ALLOC_CONF={conf}" if (conf := os.environ.get("PYTORCH_CUDA_ALLOC_CONF")) else "") + \
         ("" if bf16 else "; bf16=False (pure bf16 weights, no autocast)") + ("; FSDP2 world of 1" if fsdp2 else "") + \
         ("; Liger RoPE, RMSNorm, SwiGLU" if liger else "") + \
         (f"; {forge_options}" if forge and forge_options else "") + \

@@ -41,6 +41,13 @@ def slots_key(slots) -> tuple:
                  else (s.data_ptr(), s.dtype) for s in slots)
 
 
+def slot_bytes(slot) -> int:
+    """Bytes a state slot stores: codes and metadata, factored vectors, or its tensor."""
+    if slot is None:
+        return 0
+    return slot.nbytes() if isinstance(slot, (QuantisedSlot, FactoredSlot)) else slot.untyped_storage().nbytes()
+
+
 class ForgeState:
     """``transposed``: for a fused layer's weight, whether the parameter is stored
     (in, out) (Conv1D), and False for a fused embedding's (optim/embedding_step.py); None for
@@ -116,8 +123,7 @@ class ForgeState:
 
     def nbytes(self) -> int:
         """Bytes of the allocated state tensors, codes and metadata included."""
-        return sum(s.nbytes() if isinstance(s, (QuantisedSlot, FactoredSlot)) else s.untyped_storage().nbytes()
-                   for s in self.slots if s is not None)
+        return sum(slot_bytes(s) for s in self.slots)
 
     def state_dict(self) -> dict:
         sd = {"rule": self.rule.name, "precision": self.stored_precision, **self.host}

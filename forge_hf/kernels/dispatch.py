@@ -20,6 +20,7 @@ import torch
 from ..core.codecs import QuantisedSlot, storage_kinds
 from ..core.config import BACKENDS
 from ..core.factored import FactoredSlot
+from ..core.state import slot_bytes
 from .launch.fused_update_launch import BoundLaunch
 from .launch.gluon_launch import tokens_unsupported
 from .reference import reference_fused_update
@@ -33,6 +34,8 @@ from .select import (
     choose,
     faster_path,
     kernel_setting,
+    memory_room,
+    room_reason,
     untimed_reason,
     wgrad_setting,
 )
@@ -99,6 +102,9 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
     scratch = scratch_for(weight.device)
     two_pass = _bind_two_pass(weight, slots, rule_name, stochastic, scratch)
 
+    # the timing's copies of the layer and its own fp32 scratch (the shared one then grows to it)
+    timing_bytes = weight.nbytes + sum(slot_bytes(s) for s in slots) + 4 * weight.numel()
+
     def measure(x, dy, args) -> dict[str, PathTimes]:
         bind_copy = lambda w, s, st: _bind_fused(backend, w, s, kinds, st, rule_name, stochastic)
         return _measure_paths(bind_copy, x, dy, weight, slots, args, rule_name, stochastic)
@@ -109,7 +115,7 @@ def bind_fused_update(backend: str, weight, slots, stats, rule_name: str, stocha
         captured = step_is_captured()
         run = chosen.get((x.shape[0], x.dtype, captured))
         if run is None:
-            choice = _decide(wgrad_key(x, weight, kinds, rule_name), mode, x, dy, args, measure)
+            choice = _decide(wgrad_key(x, weight, kinds, rule_name), mode, x, dy, args, measure, timing_bytes)
             if choice is None:  # a capture before any measurement: fused, measured at an eager step
                 run = fused
             else:
@@ -241,7 +247,7 @@ def reset_wgrad_choices() -> None:
     _DECISIONS.clear()
 
 
-def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | None:
+def _decide(key: WgradKey, mode: str, x, dy, args, measure, timing_bytes: int) -> WgradChoice | None:
     """The path for ``key`` (None: fused for now, undecided)."""
     tokens = x.shape[0]
     if mode != "auto":
@@ -255,6 +261,9 @@ def _decide(key: WgradKey, mode: str, x, dy, args, measure) -> WgradChoice | Non
         return _record(key, WgradChoice("fused", reason, tokens))
     if is_capturing(device):
         return None
+    reason = room_reason(timing_bytes, memory_room(device))
+    if reason is not None:
+        return _record(key, WgradChoice("fused", reason, tokens))
     try:
         times = measure(x, dy, args)
     except torch.OutOfMemoryError:

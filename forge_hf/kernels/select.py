@@ -27,6 +27,10 @@ MANY_TOKENS = 1024
 # auto takes the two-pass path only where it is clearly faster: it costs a scratch buffer,
 # and one launch's time varies by a few percent
 TWO_PASS_MARGIN = 0.97
+# auto times the two paths only where the timing's copies of the layer and its fp32 scratch
+# take at most this share of the memory the process has left: a card nearly full (or a
+# process capped below the card) keeps the fused path rather than run out later in the step
+ROOM_SHARE = 0.5
 
 
 def _setting(env: str, choices: tuple) -> str:
@@ -90,6 +94,23 @@ def untimed_reason(x, dy, device: torch.device) -> str | None:
     if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
         return "auto with fp32 tokens: the fused kernel keeps IEEE fp32 products where cuBLAS may use TF32"
     return None
+
+
+def memory_room(device: torch.device) -> int:
+    """Bytes this process may still allocate on ``device``: what the card has free plus what
+    the allocator holds unused, within a per-process memory fraction."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    cap = total * torch.cuda.get_per_process_memory_fraction(device)
+    return int(min(free + torch.cuda.memory_reserved(device), cap) - allocated)
+
+
+def room_reason(timing_bytes: int, room_bytes: int) -> str | None:
+    """Why auto does not time the two paths for lack of memory (None: there is room)."""
+    if timing_bytes <= ROOM_SHARE * room_bytes:
+        return None
+    return (f"auto with {room_bytes / 2**30:.2f} GiB left: timing the two-pass path takes "
+            f"{timing_bytes / 2**30:.2f} GiB, more than {ROOM_SHARE:.0%} of it")
 
 
 def faster_path(fused_ms: float, two_pass_ms: float) -> str:

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..core.codecs import QuantisedSlot
+from ..core.state import slots_key
 from ..kernels import ArgsTable, grow_reserved_scratch
 from ..nn.loss import causal_lm_loss
 from .distributed import average_gradients, broadcast_parameters
@@ -96,12 +96,7 @@ class CapturedAddresses:
 
     def read(self) -> tuple:
         ptrs = [0 if (p := params.get(name)) is None else p.data_ptr() for params, name in self._params]
-        for state in self._optimizer.state.values():
-            for slot in state.slots:
-                if isinstance(slot, QuantisedSlot):
-                    ptrs += [slot.codes.data_ptr(), slot.meta.data_ptr()]
-                else:
-                    ptrs.append(0 if slot is None else slot.data_ptr())
+        ptrs += [slots_key(state.slots) for state in self._optimizer.state.values()]
         ptrs += [m.forge_stats.data_ptr() for m in self._fused]
         return tuple(ptrs), tuple(id(g) for g in self._optimizer.param_groups)
 

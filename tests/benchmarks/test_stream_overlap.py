@@ -23,8 +23,9 @@ def test_the_timed_layer_is_one_decoder_layer_of_the_models_shape(stream_overlap
     linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7 and all(m.weight.dtype == torch.bfloat16 for m in linears)
     assert layer.mlp.gate_proj.weight.shape == (96, 64)
-    hidden = torch.randn(1, 8, 64, dtype=torch.bfloat16)
-    position_ids = torch.arange(8)[None]
+    device = layer.mlp.gate_proj.weight.device  # built on the GPU where there is one
+    hidden = torch.randn(1, 8, 64, dtype=torch.bfloat16, device=device)
+    position_ids = torch.arange(8, device=device)[None]
     out = layer(hidden, position_embeddings=rotary(hidden, position_ids), position_ids=position_ids)
     assert (out[0] if isinstance(out, tuple) else out).shape == hidden.shape
 

@@ -287,6 +287,12 @@ class _FakeTimer:
 GPU_BOUND = 0.01  # ms of host time: far below the GPU's, as for a large layer
 
 
+def time_on_the_cpu(monkeypatch, room_bytes=2**40):
+    """auto as where it can time (a GPU), with this much memory left."""
+    monkeypatch.setattr(dispatch, "untimed_reason", lambda x, dy, device: None)
+    monkeypatch.setattr(dispatch, "memory_room", lambda device: room_bytes)
+
+
 @interpreter_only
 @pytest.mark.parametrize("times,path", [(dict(fused=PathTimes(2.0, GPU_BOUND), two_pass=PathTimes(1.0, GPU_BOUND)),
                                          "two_pass"),
@@ -299,7 +305,7 @@ def test_auto_times_both_paths_on_copies_once_per_shape(times, path, monkeypatch
     faster; later launches, and other layers of that shape, reuse the decision."""
 
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
-    monkeypatch.setattr(dispatch, "untimed_reason", lambda x, dy, device: None)
+    time_on_the_cpu(monkeypatch)
     formed_for, form = [], dispatch.weight_gradient
 
     def noted(x, dy, weight, scratch):
@@ -338,7 +344,7 @@ def test_eager_steps_count_the_host_time_of_the_launches_captured_steps_do_not(m
     host longer than the fused kernel's one: eager steps, where the GPU waits for the host,
     take the fused path; captured steps, which launch nothing, the two-pass path."""
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
-    monkeypatch.setattr(dispatch, "untimed_reason", lambda x, dy, device: None)
+    time_on_the_cpu(monkeypatch)
     w, state, rule, group = _layer()
     monkeypatch.setattr(dispatch, "_time_paths_ms", _FakeTimer(
         dict(fused=PathTimes(0.03, 0.05), two_pass=PathTimes(0.02, 0.10)), w))
@@ -365,7 +371,7 @@ def test_eager_steps_count_the_host_time_of_the_launches_captured_steps_do_not(m
 @interpreter_only
 def test_a_capture_before_any_timing_runs_fused_and_decides_later(monkeypatch, fresh_wgrad_choices):
     monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
-    monkeypatch.setattr(dispatch, "untimed_reason", lambda x, dy, device: None)
+    time_on_the_cpu(monkeypatch)
     capturing = [True]
     monkeypatch.setattr(dispatch, "is_capturing", lambda device: capturing[0])
     w, state, rule, group = _layer()
@@ -398,3 +404,27 @@ def test_auto_keeps_the_fused_path_below_its_token_threshold_without_timing():
     large = torch.zeros(select.MANY_TOKENS, 8, dtype=torch.bfloat16)
     assert "below 1024 tokens" in select.untimed_reason(small, small, cuda)
     assert select.untimed_reason(large, large, cuda) is None
+
+
+def test_room_for_the_timing_is_half_of_what_is_left():
+    assert select.room_reason(2**30, 2**31) is None
+    assert select.room_reason(2**30 + 1, 2**31) == ("auto with 2.00 GiB left: timing the two-pass path takes "
+                                                    "1.00 GiB, more than 50% of it")
+
+
+@interpreter_only
+def test_a_layer_whose_timing_would_not_fit_keeps_the_fused_path_untimed(monkeypatch, fresh_wgrad_choices, caplog):
+    """Near a memory cap auto neither times the paths (copies of the layer and a scratch of its
+    fp32 gradient) nor takes the two-pass path, whose scratch would stay."""
+    monkeypatch.delenv("FORGE_HF_WGRAD", raising=False)
+    w, state, rule, group = _layer()
+    needs = w.nbytes + state.nbytes() + 4 * w.numel()
+    time_on_the_cpu(monkeypatch, room_bytes=2 * needs - 2)
+    timer = _FakeTimer(dict(fused=PathTimes(2.0, GPU_BOUND), two_pass=PathTimes(1.0, GPU_BOUND)), w)
+    monkeypatch.setattr(dispatch, "_time_paths_ms", timer)
+    with caplog.at_level("INFO", logger="forge_hf"):
+        _steps(lambda w, slots, stats: bind_fused_update("triton", w, slots, stats, "adamw", True), "bf16")
+    assert timer.calls == 0
+    [line] = [r.getMessage() for r in caplog.records if r.name == "forge_hf"]
+    assert line.endswith("-> fused (auto with 0.00 GiB left: timing the two-pass path takes 0.00 GiB, more than "
+                         "50% of it)")

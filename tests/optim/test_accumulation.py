@@ -156,16 +156,17 @@ def test_auto_stashes_up_to_the_trainers_gradient_then_moves_to_a_buffer(weight_
     torch.testing.assert_close(stash.squared_norm().double(), expected.square().sum(), rtol=1e-5, atol=0)
 
 
-def bf16_run(accumulation, backend="reference", steps=2):
+def bf16_run(accumulation, backend="reference", steps=2, device="cpu"):
     """A bf16 Llama, K micro-batches a step with an active clip: its model, optimizer, and the
     largest held bytes any fused layer had after a backward over its Trainer bound."""
-    model = odd_llama().to(torch.bfloat16)
+    model = odd_llama().to(device, torch.bfloat16)
     patch_model(model, optimizer="adamw", backend=backend, min_params=0, accumulation=accumulation)
     optimizer = ForgeOptimizer(model, lr=2e-3, weight_decay=0.01, accumulate=True, max_grad_norm=0.05)
     layers = [m for m in model.modules() if getattr(m, "forge_held", None) is not None]
     worst, norms, kinds = 0.0, [], set()
     for s in range(steps):
         for ids in batches(K, seed=10 * s + 1):
+            ids = ids.to(device)
             (model(input_ids=ids, labels=ids).loss / K).backward()
             for m in layers:
                 held = m.forge_held
@@ -199,7 +200,8 @@ def test_bf16_weights_hold_a_rounded_bf16_buffer_within_the_trainers_bytes():
 def test_a_bf16_buffer_steps_alike_on_both_backends():
     """The Triton backend (the kernel rounds the buffer; interpreted on CPU) against the reference:
     the same rounding bits, so the held buffers' norms agree to fp32 round-off."""
-    runs = [bf16_run("bf16_buffer", backend, steps=1) for backend in ("reference", "triton")]
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on a GPU where there is one
+    runs = [bf16_run("bf16_buffer", backend, steps=1, device=device) for backend in ("reference", "triton")]
     torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=0)
     for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
         assert bf16_ulps_apart(a, b).max() <= 1, name

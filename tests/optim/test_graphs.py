@@ -136,6 +136,20 @@ def test_the_captured_addresses_change_when_a_checkpoint_is_loaded(single_thread
     assert after[0] != before[0] and after[1] == before[1]
 
 
+@pytest.mark.parametrize("precision", ["log4", "log4_factored"])
+def test_the_captured_addresses_read_every_kind_of_state(single_thread, precision):
+    """4-bit codes and factored vectors are where a replay writes too: a load that replaces
+    them is seen."""
+    model, opt = patched("cpu", state_precision=precision)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    causal_lm_loss(model, dict(input_ids=ids, labels=ids)).backward()
+    opt.step()
+    addresses = CapturedAddresses(model, opt)
+    assert not addresses.moved()
+    opt.load_state_dict(opt.state_dict())
+    assert addresses.moved()
+
+
 def test_the_captured_addresses_change_when_a_parameter_or_its_data_is_replaced(single_thread):
     model, opt = patched("cpu")
     ids = torch.randint(0, VOCAB, (2, SEQ))
