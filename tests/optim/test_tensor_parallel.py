@@ -50,8 +50,9 @@ def model_dir(tmp_path_factory):
 
 def _launch(world, tmp_path, model_dir):
     init = tmp_path / "rendezvous"
+    # CPU ranks: with a GPU visible, transformers' tp_plan binds each rank to cuda:LOCAL_RANK
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     procs = [subprocess.Popen([sys.executable, str(WORKERS / "tp_worker.py"), str(r), str(world), str(init),
                                str(tmp_path), model_dir], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in range(world)]
