@@ -10,6 +10,8 @@ A case is (model, weight dtype, state precision):
   summation order: a band must then give the single process's bits.
 
 ACCUMULATE_CASES train the same models with gradient accumulation, clipped or not.
+run_embedding trains an input embedding (a padding index, rows seen and unseen) before a
+fused linear, for the test against torch.optim.AdamW in one process.
 """
 
 import os
@@ -31,8 +33,9 @@ EXACT_IN, EXACT_OUT = 40, 70  # rows over two or three ranks, across a 64-row ti
 # (kind, weight dtype, state precision, rule): every state precision with AdamW, every rule
 # with bf16 weights and states (stochastic rounding) on the exactly summable layer
 RULES = ("adagrad", "lion", "nadam", "radam", "rmsprop", "sgd")
-CASES = [("mlp", torch.float32, p, "adamw") for p in ("fp32", "bf16", "int8", "al8")] + \
-        [("exact", torch.bfloat16, p, "adamw") for p in ("fp32", "bf16", "int8", "al8")] + \
+PRECISIONS = ("fp32", "bf16", "int8", "al8", "log4", "log4_factored")
+CASES = [("mlp", torch.float32, p, "adamw") for p in PRECISIONS] + \
+        [("exact", torch.bfloat16, p, "adamw") for p in PRECISIONS] + \
         [("exact", torch.float32, "fp32", "adamw")] + [("exact", torch.bfloat16, "bf16", r) for r in RULES]
 RULE_OPTIONS = {"sgd": dict(momentum=0.9), "rmsprop": dict(momentum=0.9, centered=True)}  # all their states
 
@@ -118,7 +121,7 @@ def shard(model, kind):
     # a CPU mesh: fully_shard's default mesh is on the GPU where one is present
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for module in model:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -165,10 +168,55 @@ def keep_gathered_weight_refused(world, rank):
     return None
 
 
+EMBED_VOCAB, EMBED_DIM, EMBED_OUT, PAD = 24, 8, 6, 0
+EMBED_SEEN = 10  # ids drawn below it (the padding index among them): the rows above are never seen
+
+
+def build_embedding(patched, fuse_embedding="auto"):
+    """An input embedding with a padding index before a bias-free linear: fused and patched
+    (``patched``), or plain for torch.optim.AdamW."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(EMBED_VOCAB, EMBED_DIM, padding_idx=PAD),
+                          nn.Linear(EMBED_DIM, EMBED_OUT, bias=False))
+    if patched:
+        forge_hf.patch_model(model, optimizer="adamw", state_precision="fp32", backend="reference", min_params=0,
+                             lr=1e-2, weight_decay=0.01, fuse_embedding=fuse_embedding)
+    return model
+
+
+def embedding_step(model, opt, step, world, rank):
+    """One step on this rank's rows of the global batch (rank < 0: all of it), a mean
+    squared error over each rank's own rows."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, EMBED_SEEN, (world * LOCAL_BATCH, SEQ), generator=gen)
+    target = torch.randn(world * LOCAL_BATCH, SEQ, EMBED_OUT, generator=gen)
+    if rank >= 0:
+        ids, target = ids[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], target[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    ((model(ids) - target) ** 2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def run_embedding(world, rank):
+    """STEPS steps under FSDP2; and what fuse_embedding=true says under it."""
+    model = shard(build_embedding(True), "embed")
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
+    for step in range(STEPS):
+        embedding_step(model, opt, step, world, rank)
+    refused = None
+    try:
+        forge_hf.ForgeOptimizer(shard(build_embedding(True, "true"), "embed"), lr=1e-2)
+    except ValueError as error:
+        refused = str(error)
+    return dict(weights=whole(model), path=type(model[0]).__name__, off=getattr(model[0], "forge_off_reason", None),
+                refused=refused)
+
+
 def main(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {case: run_case(*case, world, rank) for case in CASES}
     results["refused"] = keep_gathered_weight_refused(world, rank)
+    results["embedding"] = run_embedding(world, rank)
     results["accumulated"] = {case: run_accumulating(*case, world, rank) for case in ACCUMULATE_CASES}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
