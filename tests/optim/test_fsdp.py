@@ -2,6 +2,7 @@
 with batch W*b (tests/workers/fsdp_worker.py runs each rank, every case in one launch)."""
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -75,10 +76,13 @@ def launched(request, tmp_path_factory):
 def test_sharded_training_follows_one_process(case, launched):
     """After STEPS steps every rank gathers the same weights, equal to one process trained
     on the concatenated batches (bit for bit for the exactly summable case, bf16 stochastic
-    rounding and 8-bit states included: a row's bits do not depend on its rank); the
+    rounding and 8-bit and log4 states included: a row's bits do not depend on its rank); the
     gathered optimizer state is the single process's; resuming from it in a fresh sharded
-    model steps as the run that went on. Fused weights never hold a gradient, and the
-    ranks' fused states together are exactly one process's."""
+    model steps as the run that went on (4-bit states: from each rank's rows through DCP too).
+    Fused weights never hold a gradient, and the ranks' fused states together are exactly one
+    process's (log4_factored: plus each rank's whole column sums; its vectors are one process's
+    to fp32 round-off, the ranks adding the column sums in another order, and the bf16 weights
+    that read them at most one step apart)."""
     world, ranks = launched
     kind, dtype, precision, rule = case
     got = [r[case] for r in ranks]
@@ -88,7 +92,10 @@ def test_sharded_training_follows_one_process(case, launched):
             assert torch.equal(w, r["weights"][name]), f"ranks gather different {name}"
         for name, w in r["final"].items():
             assert torch.equal(w, r["resumed"][name]), f"resuming changes the next step of {name}"
+            if r["resumed_dcp"] is not None:  # each rank's rows saved and loaded through DCP
+                assert torch.equal(w, r["resumed_dcp"][name]), f"the DCP checkpoint changes the next step of {name}"
 
+    assert (got[0]["resumed_dcp"] is not None) == precision.startswith("log4")
     model, opt = _single_process(kind, dtype, precision, world, fsdp_worker.STEPS, rule)
     exact = kind == "exact"
     factored = precision == "log4_factored"
@@ -147,6 +154,41 @@ def test_accumulated_steps_follow_one_process(case, launched):
             assert torch.equal(got[0]["weights"][name], ref), name
         else:
             assert_close(got[0]["weights"][name], ref, name)
+
+
+@pytest.mark.slow
+def test_embedding_under_fsdp2_steps_as_torch_adamw_on_the_dense_gradient(launched):
+    """An input embedding (a padding index, rows seen and unseen) before a fused linear, fp32,
+    under FSDP2: each rank's embedding rows take FSDP2's reduce-scattered dense gradient and
+    the ordinary step (its reason said on the module; fuse_embedding=true refuses in one line),
+    and the whole model equals torch.optim.AdamW on one process's dense gradients."""
+    world, ranks = launched
+    model = fsdp_worker.build_embedding(patched=False)
+    start = model[0].weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(fsdp_worker.STEPS):
+        fsdp_worker.embedding_step(model, opt, step, world, -1)
+    ref = {k: v.detach() for k, v in model.state_dict().items()}
+    for r in ranks:
+        got = r["embedding"]
+        assert "its weight is a DTensor" in got["off"]
+        assert re.fullmatch(r"fuse_embedding=true but 0 cannot be stepped from its compact rows: its weight is a "
+                            r"DTensor .*; use fuse_embedding=auto or false", got["refused"])
+        for name, w in got["weights"].items():
+            assert torch.equal(w, ranks[0]["embedding"]["weights"][name]), f"ranks gather different {name}"
+    got = ranks[0]["embedding"]["weights"]
+    for name, w in ref.items():
+        assert_close(got[name], w, name)
+    looked_up = set(torch.cat([fsdp_worker.embedding_batch(step, world)[0].flatten()
+                               for step in range(fsdp_worker.STEPS)]).tolist())
+    assert fsdp_worker.PAD in looked_up
+    seen = sorted(looked_up - {fsdp_worker.PAD})
+    unseen = sorted(set(range(fsdp_worker.EMBED_VOCAB)) - set(seen))
+    # rows without a gradient (never looked up, or the padding index) only decay
+    torch.testing.assert_close(got["0.weight"][unseen], ref["0.weight"][unseen], rtol=RTOL_FP32, atol=0)
+    assert not torch.equal(ref["0.weight"][unseen], start[unseen])
+    moved = (got["0.weight"][seen] - start[seen]).abs().amax(1)
+    assert (moved > 10 * (start[seen].abs().amax(1) * 1e-2 * 0.01 * fsdp_worker.STEPS)).all()
 
 
 @pytest.mark.slow

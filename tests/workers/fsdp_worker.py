@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import forge_hf
+from forge_hf.optim.fsdp import load_sharded_optimizer, save_sharded_optimizer
 from forge_hf.optim.optimizer import fused_layers
 from tests.helpers import exact_inputs
 
@@ -83,7 +84,8 @@ CLIP = 0.05  # below the "mlp" gradients' norms: the clip is active at every ste
 # (kind, weight dtype, state precision, max_grad_norm): accumulated steps, clipped or not; the
 # exactly summable layer unclipped (a norm summed over ranks rounds otherwise than one process's)
 ACCUMULATE_CASES = [("mlp", torch.float32, "fp32", 0.0), ("mlp", torch.float32, "fp32", CLIP),
-                    ("mlp", torch.float32, "al8", CLIP), ("exact", torch.bfloat16, "bf16", 0.0)]
+                    ("mlp", torch.float32, "al8", CLIP), ("exact", torch.bfloat16, "bf16", 0.0),
+                    ("exact", torch.bfloat16, "log4", 0.0), ("mlp", torch.float32, "log4_factored", CLIP)]
 
 
 def train_accumulating(model, kind, dtype, world, rank, max_grad_norm):
@@ -131,7 +133,7 @@ def whole(model) -> dict:
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_case(kind, dtype, precision, rule, world, rank):
+def run_case(kind, dtype, precision, rule, world, rank, out_dir):
     model = shard(build(kind, dtype, precision, rule), kind)
     opt = forge_hf.ForgeOptimizer(model, lr=1e-2, weight_decay=0.01)
     no_fused_grad = True
@@ -139,6 +141,10 @@ def run_case(kind, dtype, precision, rule, world, rank):
         train_step(model, opt, kind, step, dtype, world, rank)
         no_fused_grad &= all(m.weight.grad is None for m in fused_layers(model).values())
     checkpoint = whole(model), opt.state_dict()
+    dcp_dir = None
+    if precision.startswith("log4"):  # each rank's rows through DCP (a factored moment's column sums whole)
+        dcp_dir = os.path.join(out_dir, f"dcp-{kind}-{precision}-{rule}")
+        save_sharded_optimizer(opt, dcp_dir)
     state_bytes = sum(m.forge_state.nbytes() for m in fused_layers(model).values())
     sent = sum(m.forge_dp.bytes_sent for m in fused_layers(model).values())
     train_step(model, opt, kind, STEPS, dtype, world, rank)
@@ -151,8 +157,17 @@ def run_case(kind, dtype, precision, rule, world, rank):
     resumed_opt = forge_hf.ForgeOptimizer(resumed, lr=1e-2, weight_decay=0.01)
     resumed_opt.load_state_dict(checkpoint[1])
     train_step(resumed, resumed_opt, kind, STEPS, dtype, world, rank)
+    resumed_dcp = None
+    if dcp_dir is not None:
+        again = build(kind, dtype, precision, rule)
+        again.load_state_dict(checkpoint[0])
+        again = shard(again, kind)
+        again_opt = forge_hf.ForgeOptimizer(again, lr=1e-2, weight_decay=0.01)
+        load_sharded_optimizer(again_opt, dcp_dir)
+        train_step(again, again_opt, kind, STEPS, dtype, world, rank)
+        resumed_dcp = whole(again)
     return dict(weights=checkpoint[0], optimizer=checkpoint[1], final=final, resumed=whole(resumed),
-                no_fused_grad=no_fused_grad, state_bytes=state_bytes, bytes_sent=sent)
+                resumed_dcp=resumed_dcp, no_fused_grad=no_fused_grad, state_bytes=state_bytes, bytes_sent=sent)
 
 
 def keep_gathered_weight_refused(world, rank):
@@ -184,12 +199,17 @@ def build_embedding(patched, fuse_embedding="auto"):
     return model
 
 
+def embedding_batch(step, world):
+    """Step ``step``'s global (ids, targets)."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, EMBED_SEEN, (world * LOCAL_BATCH, SEQ), generator=gen)
+    return ids, torch.randn(world * LOCAL_BATCH, SEQ, EMBED_OUT, generator=gen)
+
+
 def embedding_step(model, opt, step, world, rank):
     """One step on this rank's rows of the global batch (rank < 0: all of it), a mean
     squared error over each rank's own rows."""
-    gen = torch.Generator().manual_seed(2000 + step)
-    ids = torch.randint(0, EMBED_SEEN, (world * LOCAL_BATCH, SEQ), generator=gen)
-    target = torch.randn(world * LOCAL_BATCH, SEQ, EMBED_OUT, generator=gen)
+    ids, target = embedding_batch(step, world)
     if rank >= 0:
         ids, target = ids[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], target[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
     ((model(ids) - target) ** 2).mean().backward()
@@ -214,7 +234,7 @@ def run_embedding(world, rank):
 
 def main(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    results = {case: run_case(*case, world, rank) for case in CASES}
+    results = {case: run_case(*case, world, rank, out_dir) for case in CASES}
     results["refused"] = keep_gathered_weight_refused(world, rank)
     results["embedding"] = run_embedding(world, rank)
     results["accumulated"] = {case: run_accumulating(*case, world, rank) for case in ACCUMULATE_CASES}
