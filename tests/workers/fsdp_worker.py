@@ -211,7 +211,8 @@ def embedding_step(model, opt, step, world, rank):
     squared error over each rank's own rows."""
     ids, target = embedding_batch(step, world)
     if rank >= 0:
-        ids, target = ids[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], target[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        ids, target = ids[mine], target[mine]
     ((model(ids) - target) ** 2).mean().backward()
     opt.step()
     opt.zero_grad()
