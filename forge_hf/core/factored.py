@@ -16,6 +16,12 @@ replay rotates too): set (t - 1) % 3 is read, set t % 3 is summed into (zero at 
 the step), set (t + 1) % 3 (read at step t - 1, summed into at step t + 1) is cleared by the
 tiles of the first tile column (its rows), of the first tile row (its columns) and tile (0, 0)
 (the total). No host work a step, no launch of its own.
+
+Row-sharded (data_parallel="sharded", FSDP2): each rank keeps R of its own rows and C, S of
+the whole weight. Its launch sums its rows' share into C and S; ``reduce_columns`` then adds
+the shares over the ranks (an all-reduce of K + 1 floats a layer and step) before the next
+step reads them. Each rank reads R_i C_j / S of one process, the column sums added in another
+order (as the kernel's atomics add them).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 SETS = 3  # vector sets: read, summed into, cleared
 
@@ -40,9 +47,15 @@ def clear_set(step: int) -> int:
     return (step + 1) % SETS
 
 
+def whole_keys(slot_names) -> set[str]:
+    """The state_dict keys of factored moments that every rank of a row-sharded layer holds
+    whole (column sums and total): not split by rows in checkpoints."""
+    return {f"{name}_{part}" for name in slot_names for part in ("col", "total")}
+
+
 def refuse_sharded(precision: str, name: str, how: str, fix: str) -> None:
-    """A factored moment needs its layer's whole rows and columns in one process: refuse
-    ``how`` (a sharding) for fused layer ``name``."""
+    """A factored moment kept whole-row and whole-column: refuse ``how`` (a sharding of
+    columns) for fused layer ``name``."""
     if precision == "log4_factored":
         raise ValueError(f"state_precision='log4_factored' keeps whole-row and whole-column sums of fused layer "
                          f"{name}, which {how} splits: {fix}, or use state_precision='log4'")
@@ -58,14 +71,17 @@ class FactoredSlot:
     in_features: int
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int, device, fill: float = 0.0) -> FactoredSlot:
-        """Every element ``fill`` (Adagrad's initial accumulator): set 0, which step 1 reads."""
+    def empty(cls, out_features: int, in_features: int, device, fill: float = 0.0,
+              whole_rows: int | None = None) -> FactoredSlot:
+        """Every element ``fill`` (Adagrad's initial accumulator): set 0, which step 1 reads.
+        ``whole_rows``: the whole weight's rows when this slot holds a row shard of it."""
         vectors = torch.zeros(SETS, out_features + in_features + 1, dtype=torch.float32, device=device)
         slot = cls(vectors, out_features, in_features)
         if fill != 0.0:
+            rows = out_features if whole_rows is None else whole_rows  # C and S are the whole weight's
             slot.set_vectors(0, torch.full((out_features,), fill * in_features),
-                             torch.full((in_features,), fill * out_features),
-                             torch.tensor(fill * out_features * in_features))
+                             torch.full((in_features,), fill * rows),
+                             torch.tensor(fill * rows * in_features))
         return slot
 
     def parts(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,11 +115,32 @@ class FactoredSlot:
         """The set step ``step + 1`` sums into."""
         self.vectors[clear_set(step)].zero_()
 
-    def carry(self, step: int) -> None:
+    def carry(self, step: int, sharded: bool = False) -> None:
         """A step skipped whole (a non-finite gradient where codes cannot be masked): the
-        moment carries on unchanged into the set the next step reads."""
+        moment carries on unchanged into the set the next step reads. ``sharded``: this
+        slot's rows are a shard, so C and S take their share only (reduce_columns adds them)."""
         self.clear(step)
         self.vectors[sum_set(step)].copy_(self.vectors[read_set(step)])
+        if sharded:
+            r, c, s = self.parts(sum_set(step))
+            share = r.sum()
+            c.mul_(torch.where(s > 0, share / s, 0.0))
+            s.copy_(share)
+
+    def reduce_columns(self, step: int, group, empty: bool = False) -> int:
+        """Row-sharded: add every rank's share of step ``step``'s column sums and total
+        (``empty``: this rank stepped no rows, so its share is zero). Returns the bytes a
+        ring all-reduce puts on the wire from this rank: 2 (W - 1) chunks of (K + 1) / W."""
+        tail = self.vectors[sum_set(step), self.out_features:]  # C then S, contiguous
+        if empty:
+            tail.zero_()
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("state_precision='log4_factored' on row shards sums its column vectors over the "
+                               "ranks at a set picked on the host, which a CUDA graph would replay unchanged: "
+                               "train this layer without a graph or use state_precision='log4'")
+        dist.all_reduce(tail, group=group)
+        world = dist.get_world_size(group)
+        return 2 * (world - 1) * -(-tail.numel() // world) * tail.element_size()
 
     def current(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(R, C, S) after step ``step``: what step ``step + 1`` reads, and a checkpoint keeps."""

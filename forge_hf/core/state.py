@@ -15,9 +15,10 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from .codecs import LEGACY_AL8, QuantisedSlot, saved_codec, slot_codec
-from .factored import FactoredSlot
+from .factored import FactoredSlot, whole_keys
 from .precision_checks import check_group
 from .rules import Rule
 
@@ -85,11 +86,16 @@ class ForgeState:
         quantisable = self.transposed is not None or self.precision in _DTYPES
         return self.precision if quantisable else "bf16"
 
-    def _new_slot(self, param: torch.Tensor, index: int, fill: float):
+    @property
+    def whole_keys(self) -> set[str]:
+        """state_dict keys every rank of a row-sharded layer holds whole (factored.whole_keys)."""
+        return whole_keys(self.rule.slot_names)
+
+    def _new_slot(self, param: torch.Tensor, index: int, fill: float, whole_rows: int | None = None):
         codec = slot_codec(self.stored_precision, self.rule.slot_signed[index])
         if self.stored_precision == "log4_factored" and codec is None:
             out_features, in_features = param.shape[::-1] if self.transposed else param.shape
-            return FactoredSlot.empty(out_features, in_features, param.device, fill)
+            return FactoredSlot.empty(out_features, in_features, param.device, fill, whole_rows)
         if codec is None:
             return torch.full_like(param, fill, dtype=_DTYPES[self.stored_precision],
                                    memory_format=torch.preserve_format).detach()
@@ -99,9 +105,11 @@ class ForgeState:
             view.write(torch.full((view.codes.shape[0], view.in_features()), fill, device=param.device))
         return slot
 
-    def allocate(self, param: torch.Tensor, group: dict, transposed: bool | None = None) -> None:
+    def allocate(self, param: torch.Tensor, group: dict, transposed: bool | None = None,
+                 whole_rows: int | None = None) -> None:
         """Create the slots this rule needs for ``group``, in the parameter's layout. A fused
-        layer passes ``transposed``."""
+        layer passes ``transposed``; ``whole_rows``: the whole weight's rows when ``param`` is
+        a row shard of it (a factored moment's column sums are the whole weight's)."""
         if transposed is not None:
             self.transposed = transposed
         if self.allocated:
@@ -114,7 +122,7 @@ class ForgeState:
         inits = self.rule.slot_init(group)
         for i, needed in enumerate(self.rule.slots(group)):
             if needed:
-                self.slots[i] = self._new_slot(param, i, inits[i])
+                self.slots[i] = self._new_slot(param, i, inits[i], whole_rows)
         self.allocated = True
 
     def kernel_slots(self) -> list:
@@ -140,7 +148,9 @@ class ForgeState:
                 sd[name] = s
         return sd
 
-    def load_state_dict(self, sd: dict, param: torch.Tensor) -> None:
+    def load_state_dict(self, sd: dict, param: torch.Tensor, group=None) -> None:
+        """``param``: this rank's part; ``group``: the ranks whose row shards make the whole
+        weight, when it is one (a full moment factored here sums its columns over them)."""
         if sd.get("rule", self.rule.name) != self.rule.name:
             raise ValueError(
                 f"checkpoint state was written by forge rule {sd['rule']!r} but this layer uses "
@@ -155,7 +165,7 @@ class ForgeState:
         self.host = {k: sd[k] for k in self.rule.host_init()}
         for i, name in enumerate(self.rule.slot_names):
             if f"{name}_row" in sd or (name in sd and self._factored(i)):
-                self.slots[i] = self._loaded_factored(sd, name, i, param)
+                self.slots[i] = self._loaded_factored(sd, name, i, param, group)
             elif name in sd:
                 self.slots[i] = self._loaded_slot(sd, name, i, param)
         self.allocated = any(s is not None for s in self.slots) or self.host["step"] > 0
@@ -163,9 +173,10 @@ class ForgeState:
     def _factored(self, index: int) -> bool:
         return self.stored_precision == "log4_factored" and not self.rule.slot_signed[index]
 
-    def _loaded_factored(self, sd: dict, name: str, index: int, param: torch.Tensor):
+    def _loaded_factored(self, sd: dict, name: str, index: int, param: torch.Tensor, group=None):
         """A factored moment saved as vectors (exact), or a full fp32/bf16 one factored here by its
-        row and column sums; into a full slot, the vectors' rank-1 estimate."""
+        row and column sums (over ``group``'s row shards); into a full slot, the vectors' rank-1
+        estimate."""
         if f"{name}_row" in sd:
             rows, cols, total = (sd[f"{name}_{part}"].to(param.device).float() for part in ("row", "col", "total"))
         elif f"{name}_codec" in sd:
@@ -174,6 +185,10 @@ class ForgeState:
         else:
             full = _logical(sd[name].to(param.device).float(), bool(self.transposed))
             rows, cols, total = full.sum(1), full.sum(0), full.sum()
+            if group is not None:  # this rank's rows: the columns' and total's shares of the whole
+                tail = torch.cat([cols, total[None]])
+                dist.all_reduce(tail, group=group)
+                cols, total = tail[:-1], tail[-1]
         if not self._factored(index):
             full = rows[:, None] * cols[None, :] * torch.where(total > 0, 1.0 / total, 0.0)
             return self._loaded_slot({**sd, name: _logical(full, bool(self.transposed))}, name, index, param)

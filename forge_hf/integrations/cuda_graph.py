@@ -26,7 +26,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..optim.graphs import GraphedStep, StaleGraph
+from ..optim.graphs import GraphedStep, StaleGraph, sharded_factored
 from .batch_shapes import bucket_length, pad_to_bucket, sequence_length
 from .captured_loss import captured_loss
 
@@ -119,7 +119,7 @@ class TrainerGraph:
             return "the optimizer is not a ForgeOptimizer"
         if optimizer.stop_on_nonfinite:
             return "stop_on_nonfinite=true reads a count on the host inside every step"
-        return None
+        return sharded_factored(_forward_module(model))
 
     def _disable(self, reason: str, warn: bool = True) -> None:
         """No graph for the rest of the run, said once."""

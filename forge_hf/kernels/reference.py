@@ -64,9 +64,6 @@ def reference_fused_update(
     if any(isinstance(s, QuantisedSlot) and BK % max(BLOCK, s.codec.group) for s in slots):
         raise ValueError(f"reference BLOCK_K={BK} splits {BLOCK}-element codec blocks: use a multiple of {BLOCK}")
     factored = [s for s in slots if isinstance(s, FactoredSlot)]
-    if factored and row0:
-        raise ValueError("a factored second moment needs the whole weight in one step, not rows from "
-                         f"{row0}: use state_precision='log4' for a weight stepped in row bands")
     for s in factored:
         s.clear(step)  # the whole set at once: the kernel's first tile row and column clear it piecewise
     xf = x.float()
@@ -115,10 +112,8 @@ def reference_rule_rows(rule_name: str, w2: torch.Tensor, g: torch.Tensor, slots
     written to fp32 or bf16 slots where ``ok`` (a 0-dim bool) is false; 8-bit slots cannot be
     masked, so the caller skips a non-finite gradient before (FactoredSlot.carry). Returns the rows'
     squared sum. A factored moment's rows are summed in; the first chunk (rows from 0) clears
-    the set the next step sums into, so chunks must start at the whole weight's row 0."""
-    if row0 and any(isinstance(s, FactoredSlot) for s in slots):
-        raise ValueError("a factored second moment needs the whole weight in one step, not rows from "
-                         f"{row0}: use state_precision='log4' for a sharded weight")
+    the set the next step sums into, so chunks must start at ``w2``'s row 0 (a row shard's
+    column sums are its share: factored.FactoredSlot.reduce_columns adds the ranks')."""
     values = [g.new_zeros(()) if s is None else s.read(step, rows) if isinstance(s, FactoredSlot)
               else s.read(rows) if isinstance(s, QuantisedSlot) else s[rows].float() for s in slots]
     outs = RULE_UPDATES[rule_name](w2[rows].float(), g, *values, *consts)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import ForgeConfig, resolve_config
+from ..core.factored import FactoredSlot
 from ..core.rounding import layer_salt
 from ..core.state import ForgeState
 from ..kernels import bind_fused_update, next_launch_args
@@ -41,6 +42,7 @@ class DataParallelSeam(Protocol):
     def announce_tokens(self, n_tokens: int) -> None: ...
     def gather_tokens(self, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     def rows(self, n_rows: int) -> tuple[int, int]: ...
+    def count_sent(self, n_bytes: int) -> None: ...
     def share_rows(self, weight: torch.Tensor) -> None: ...
     def wait(self) -> None: ...
 
@@ -392,9 +394,10 @@ class FusedWeightMixin:
         dp = self.forge_dp
         if dp is None and not d.get("_forge_one_process", False):
             _check_one_process(self)
-        start = 0
+        start, whole_rows, sharded = 0, weight.shape[0], False
         if dp is not None:  # data parallel: every rank's tokens, then this rank's rows only
             start, stop = dp.rows(weight.shape[0])
+            sharded = dp.mode != "replicated"
             if not gathered:
                 x2, dy2 = self.forge_gather(x2, dy2)
             if dp.mode == "fsdp":  # not a band of the gathered copy: the update must land in the shard
@@ -403,7 +406,7 @@ class FusedWeightMixin:
                 weight = weight[start:stop]
                 param = param[:, start:stop] if self.forge_transposed else param[start:stop]
         if not state.allocated:
-            state.allocate(param, group, transposed=self.forge_transposed)
+            state.allocate(param, group, transposed=self.forge_transposed, whole_rows=whole_rows)
         device = weight.device
         stats = d["forge_stats"]
         if stats.device != device:
@@ -411,6 +414,10 @@ class FusedWeightMixin:
         args = next_launch_args(rule, group, state, self.forge_salt(), device, start + (0 if tp is None else tp.row0))
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
             self.forge_launcher(weight, state)(x2, dy2, args, stats)
+        if sharded:  # a factored moment's column sums: every rank's rows' share
+            for slot in state.slots:
+                if isinstance(slot, FactoredSlot):
+                    dp.count_sent(slot.reduce_columns(state.step, dp.group, empty=weight.shape[0] == 0))
         if dp is not None:
             dp.share_rows(self.forge_weight_view().data)
 

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from ..core.config import DATA_PARALLEL_MODES, did_you_mean
-from ..core.factored import refuse_sharded
 from ..nn.linear import FusedWeightMixin
 
 
@@ -197,6 +196,10 @@ class TokenExchange:
         """Bytes this rank has put on the wire for this layer."""
         return self.gather.bytes_sent
 
+    def count_sent(self, n_bytes: int) -> None:
+        """Bytes this layer sent besides its tokens and rows (a factored moment's column sums)."""
+        self.gather.bytes_sent += n_bytes
+
     def announce_tokens(self, t_local: int) -> None:
         self.gather.announce(t_local)
 
@@ -312,9 +315,6 @@ def enable_data_parallel(model: torch.nn.Module, mode: str = "sharded", group=No
     for module_name, module in fused:
         # a transposed (Conv1D) weight's rows are strided columns: replicate it
         layer_mode = "replicated" if module.forge_transposed else mode
-        if layer_mode == "sharded":
-            refuse_sharded(module.forge_state.precision, module_name, "data_parallel='sharded'",
-                           "use data_parallel='replicated'")
         module.forge_dp = DataParallelFusion(layer_mode, group, row_group=row_group, counts=counts)
         names.append(f"{module_name}.weight" if module_name else "weight")
     if not names:

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ..core.factored import refuse_sharded
 from ..nn.linear import FusedWeightMixin
 from .distributed import TokenCounts, TokenExchange, TokenGather
 from .tensor_parallel import MeshShards
@@ -129,8 +128,6 @@ def enable_fsdp(model: torch.nn.Module) -> list[str]:
     counts: dict[int, TokenCounts] = {}  # one exchange of token counts per backward and shard group
     names = []
     for name, layer in fused:
-        refuse_sharded(layer.forge_state.precision, name, "FSDP2's row shards",
-                       "exclude it in patch_model(exclude=[...])")
         entry = managed.get((id(layer), "weight"))
         if entry is None:
             raise ValueError(
@@ -211,8 +208,9 @@ def save_sharded_optimizer(optimizer, checkpoint_dir) -> None:
         state = optimizer.state[p]
         if not state.allocated:
             continue
+        whole = state.whole_keys  # a factored moment's column sums: the same on every rank
         for name, value in state.state_dict().items():
-            if torch.is_tensor(value) and isinstance(p, DTensor):
+            if torch.is_tensor(value) and isinstance(p, DTensor) and name not in whole:
                 value = _row_dtensor(value, p, p.shape[0])
             sd[f"state.{i}.{name}"] = value
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir)))
@@ -239,10 +237,11 @@ def load_sharded_optimizer(optimizer, checkpoint_dir) -> None:
             continue
         p = params[index]
         size, dtype = tuple(meta.size), meta.properties.dtype
-        if isinstance(p, DTensor) and isinstance(shards := param_shards(p), MeshShards):
+        whole = key.split(".", 2)[2] in optimizer.state[p].whole_keys
+        if isinstance(p, DTensor) and not whole and isinstance(shards := param_shards(p), MeshShards):
             local = torch.empty(shards.local_shape_of(size), dtype=dtype, device=p.device)
             template[key] = shards.as_dtensor(local)
-        elif isinstance(p, DTensor):
+        elif isinstance(p, DTensor) and not whole:
             start, stop = RowShards(p.device_mesh.get_group()).rows(size[0])
             template[key] = _row_dtensor(torch.empty((stop - start, *size[1:]), dtype=dtype, device=p.device),
                                          p, size[0])

@@ -121,6 +121,17 @@ class _Micro:
         self.loss_ready = torch.cuda.Event(external=True)  # recorded inside the graph, after the loss
 
 
+def sharded_factored(model: nn.Module) -> str | None:
+    """Why a step of ``model`` cannot be captured for its factored moments on row shards, or None:
+    their column sums are added over the ranks in the set the host's step count picks, which a
+    replay would not move (core/factored.py)."""
+    for name, m in fused_layers(model).items():
+        if m.forge_dp is not None and m.forge_dp.mode != "replicated" and m.forge_state.precision == "log4_factored":
+            return (f"state_precision='log4_factored' on data_parallel='sharded' rows ({name}) adds its column "
+                    "sums over the ranks in a set the host picks each step, which a CUDA graph cannot")
+    return None
+
+
 class GraphedStep:
     """``GraphedStep(model, optimizer, loss_fn=causal_lm_loss, warmup_steps=2, accumulation_steps=None)``.
 
@@ -180,6 +191,9 @@ class GraphedStep:
         if len({id(dp.group) for dp in dps}) > 1:
             raise ValueError("the fused layers run data parallel over different process groups: a graphed step "
                              "averages the other gradients over one; call enable_data_parallel once, with one group")
+        reason = sharded_factored(model)
+        if reason is not None:
+            raise ValueError(f"{reason}: use data_parallel='replicated' or state_precision='log4' for a graphed step")
         if optimizer.stop_on_nonfinite:
             raise ValueError("stop_on_nonfinite=True reads a count on the host inside step(), which a graph "
                              "cannot: check optimizer.pop_nonfinite_tiles() between steps instead")

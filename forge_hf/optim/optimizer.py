@@ -408,22 +408,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if shards is not None:  # a DTensor: this rank's piece; its first row's place in p picks the rounding bits
             local, row0 = p.to_local(), shards.rows(p.shape[0] if p.dim() else 1)[0]
             grad = grad.to_local() if isinstance(grad, DTensor) else grad  # a held buffer is this rank's already
-        state.allocate(local, group, transposed=transposed)
+        state.allocate(local, group, transposed=transposed, whole_rows=p.shape[0] if shards is not None else None)
         w, g = (local.t(), grad.t()) if transposed else (local, grad)
         # the step counts even when the gradient is skipped, as for a fused layer whose
         # tiles all are
         slots = state.kernel_slots()
+        factored = [s for s in slots if isinstance(s, FactoredSlot)]
         if self._kernel:
             args = next_launch_args(self.rule, group, state, self._salt[p], local.device, row0)
             pair = self._step_with_kernel(p, w, g, slots, args, stats, sharded=shards is not None)
+            self._reduce_columns(factored, state.step, shards)
             return None if stats is not None else (pair[0], pair[1])  # indexing a pair costs two ops
         scalars = self.rule.prepare(group, state.host)  # fp32 constants, as the kernels receive them
         consts = torch.tensor(scalars, dtype=torch.float32).to(local.device).unbind()
         ok = torch.isfinite(g).all()
         if any(isinstance(s, QuantisedSlot) for s in slots) and not ok:
-            for s in slots:  # codes keep their values; a factored moment's sums must be carried
-                if isinstance(s, FactoredSlot):
-                    s.carry(state.step)
+            for s in factored:  # codes keep their values; a factored moment's sums must be carried
+                s.carry(state.step, sharded=shards is not None)
+            self._reduce_columns(factored, state.step, shards)
             return g.new_zeros((), dtype=torch.float32), g.new_ones((), dtype=torch.float32)  # codes cannot be masked
         # 1-d tensors as one row; an FSDP2 shard of one as a column (see _step_with_kernel)
         rows2d = w.shape[0] if w.dim() == 2 or shards is not None else 1
@@ -441,7 +443,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
             rows = slice(r0, min(r0 + step_rows, rows2d))
             sq += reference_rule_rows(self.rule.name, w2, g2[rows].float(), plain, rows, consts, ok,
                                       self._salt[p], state.step, self.stochastic, row0)
+        self._reduce_columns(factored, state.step, shards)
         return torch.where(ok, sq, 0.0), (~ok).float()
+
+    @staticmethod
+    def _reduce_columns(factored: list, step: int, shards) -> None:
+        """A factored moment of a row-sharded weight (a fused layer's FSDP2 shard on the ordinary
+        path): its column sums and total added over the ranks (factored.FactoredSlot.reduce_columns)."""
+        if shards is None:
+            return
+        for slot in factored:
+            slot.reduce_columns(step, shards.group, empty=slot.out_features == 0)
 
     def _step_gradient(self, p: torch.Tensor, group: dict, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``p`` stepped from a whole gradient in p's layout (a fused layer's held buffer):
@@ -534,13 +546,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         dp, n_rows = self._sharding(p)
         if dp is None:
             return sd
-        return {k: dp.gather_rows(v, n_rows) if torch.is_tensor(v) else v for k, v in sd.items()}
+        whole = self.state[p].whole_keys  # a factored moment's column sums: whole on every rank
+        return {k: dp.gather_rows(v, n_rows) if torch.is_tensor(v) and k not in whole else v for k, v in sd.items()}
 
     def _own_state(self, p, sd: dict) -> dict:
         dp, n_rows = self._sharding(p)
         if dp is None:
             return sd
-        return {k: dp.shard_rows(v, n_rows) if torch.is_tensor(v) else v for k, v in sd.items()}
+        whole = self.state[p].whole_keys
+        return {k: dp.shard_rows(v, n_rows) if torch.is_tensor(v) and k not in whole else v for k, v in sd.items()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._load(state_dict, self._own_state)
@@ -563,6 +577,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(self.params()):
             state = self.state[p]
             if i in saved:
-                state.load_state_dict(own_rows(p, saved[i]), self._local(p))
+                dp, _ = self._sharding(p)  # a factored moment's row shards: their columns summed over dp's ranks
+                factored = dp is not None and state.stored_precision == "log4_factored"
+                state.load_state_dict(own_rows(p, saved[i]), self._local(p), group=dp.group if factored else None)
             else:
                 state.reset()  # nothing saved: start fresh

@@ -159,19 +159,82 @@ def test_refuses_a_one_dimensional_tensor():
         state.allocate(torch.zeros(64), ForgeConfig().group())
 
 
-def test_refuses_row_sharding():
-    """data_parallel='sharded' (enable_data_parallel), FSDP2 and tensor parallelism split a
-    layer's rows or columns: refused, naming the fix."""
-    from forge_hf.optim.distributed import enable_data_parallel
-
-    layer = _trained("reference", steps=0)
-    model = torch.nn.Sequential(layer)
-    with pytest.raises(ValueError, match="data_parallel='sharded'.*use data_parallel='replicated'"):
-        enable_data_parallel(model, "sharded")
-    for how in ("FSDP2's row shards", "tensor parallelism"):
-        with pytest.raises(ValueError, match="log4_factored.*exclude"):
-            refuse_sharded("log4_factored", "mlp.down_proj", how, "exclude it in patch_model(exclude=[...])")
+def test_refuses_tensor_parallel_pieces():
+    """Tensor parallelism's pieces (rows or columns) are refused, naming the fix; row shards
+    (data_parallel='sharded', FSDP2) step it (tests/optim/test_fsdp.py, test_distributed.py)."""
+    with pytest.raises(ValueError, match=r"^state_precision='log4_factored' keeps whole-row and whole-column sums of "
+                                         r"fused layer mlp.down_proj, which tensor parallelism splits: exclude it in "
+                                         r"patch_model\(exclude=\[...\]\), or use state_precision='log4'$"):
+        refuse_sharded("log4_factored", "mlp.down_proj", "tensor parallelism",
+                       "exclude it in patch_model(exclude=[...])")
     refuse_sharded("log4", "mlp.down_proj", "tensor parallelism", "")  # other precisions: nothing to refuse
+
+
+def test_row_shards_sum_their_column_shares_over_the_ranks(monkeypatch):
+    """A row-sharded slot's launch sums its rows' share of the column sums; reduce_columns adds
+    the ranks' (here two ranks' halves, added by hand): the read is one process's, to round-off.
+    A rank without rows adds zero; a carried step keeps the rows' share; a whole step's clear
+    leaves the next step's set at zero."""
+    from forge_hf.core import factored
+
+    torch.manual_seed(0)
+    v = torch.rand(6, 5)
+    whole = FactoredSlot.empty(6, 5, "cpu")
+    whole.add(1, v)
+    halves = [FactoredSlot.empty(3, 5, "cpu"), FactoredSlot.empty(3, 5, "cpu")]
+    for half, rows in zip(halves, (v[:3], v[3:])):
+        half.add(1, rows)
+    shares = [h.vectors[factored.sum_set(1), 3:].clone() for h in halves]
+    calls = []
+
+    def all_reduce(t, group=None):
+        calls.append(group)
+        t.copy_(shares[0] + shares[1])
+
+    monkeypatch.setattr(factored.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(factored.dist, "get_world_size", lambda group=None: 2)
+    for half in halves:
+        assert half.reduce_columns(1, "group") == 2 * 1 * 3 * 4  # a ring's 2 (W - 1) chunks of ceil(6 / 2) floats
+    assert calls == ["group", "group"]
+    read = torch.cat([h.read(2) for h in halves])
+    torch.testing.assert_close(read, whole.read(2), rtol=1e-6, atol=0)
+
+    empty = FactoredSlot.empty(0, 5, "cpu")
+    empty.vectors.fill_(7.0)
+    shares = [torch.zeros(6), torch.zeros(6)]
+    empty.reduce_columns(1, "group", empty=True)
+    assert torch.equal(empty.vectors[factored.sum_set(1)], torch.zeros(6))
+
+    half = halves[0]
+    half.carry(2, sharded=True)  # the read set (whole C, S) into the step's: the rows' share only
+    r, c, s = half.current(2)
+    torch.testing.assert_close(s, v[:3].sum(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(c, half.read(2).sum(0), rtol=1e-6, atol=0)
+
+
+def test_adagrad_fill_of_a_row_shard_is_the_whole_weights():
+    """Adagrad's initial accumulator on a shard of 2 of 6 rows: every element reads ``fill``."""
+    slot = FactoredSlot.empty(2, 5, "cpu", fill=0.1, whole_rows=6)
+    torch.testing.assert_close(slot.read(1), torch.full((2, 5), 0.1), rtol=1e-6, atol=0)
+
+
+def test_graphed_step_refuses_it_on_sharded_bands():
+    """A CUDA graph would replay the column sums' all-reduce on one step's set: refused in one
+    line naming the fixes (ForgeTrainer's cuda_graph=auto trains eagerly for the same reason)."""
+    import types
+
+    import forge_hf
+    from forge_hf.optim.graphs import GraphedStep, sharded_factored
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6, bias=False))
+    forge_hf.patch_model(model, state_precision="log4_factored", backend="reference", min_params=0)
+    opt = forge_hf.ForgeOptimizer(model, lr=1e-2)
+    assert sharded_factored(model) is None
+    model[0].forge_dp = types.SimpleNamespace(mode="sharded", group=None)
+    with pytest.raises(ValueError, match=r"^state_precision='log4_factored' on data_parallel='sharded' rows \(0\) "
+                                         r"adds its column sums .*: use data_parallel='replicated' or "
+                                         r"state_precision='log4' for a graphed step$"):
+        GraphedStep(model, opt, warmup_steps=1)
 
 
 def test_update_error_study_measures_it():

@@ -33,7 +33,7 @@ def _launch(world, mode, tmp_path, reducer="ddp"):
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _assert_like_single_process(weights, single, share=0.999):
+def _assert_like_single_process(weights, single, share=0.999, worst=1e-3):
     for name, ref in single.items():
         got = weights[name]
         diff = (got - ref).abs() / ref.abs().max().clamp_min(1e-30)
@@ -41,7 +41,7 @@ def _assert_like_single_process(weights, single, share=0.999):
         # averaged gradient (another summation order), which Adam may amplify where a
         # gradient is ~eps: the core issue's criterion
         assert (diff <= RTOL_FP32).float().mean() >= share, name
-        assert diff.max() <= 1e-3, name
+        assert diff.max() <= worst, name
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +57,28 @@ def single_process():
     return run
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Each (world, mode, reducer)'s ranks, launched once for the tests that read them."""
+    cache = {}
+
+    def run(world, mode, reducer):
+        key = (world, mode, reducer)
+        if key not in cache:
+            cache[key] = _launch(world, mode, tmp_path_factory.mktemp(f"dp{world}{mode}{reducer}"), reducer)
+        return cache[key]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,mode,reducer", [(2, "sharded", "ddp"), (3, "sharded", "ddp"),
                                                 (2, "replicated", "ddp"), (3, "replicated", "ddp"),
                                                 (2, "sharded", "average")])
-def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, single_process):
+def test_ranks_match_one_process_and_each_other(world, mode, reducer, launches, single_process):
     """reducer "average": a graphed step's path (forge averages the non-fused gradients,
     the token counts frozen after the first step, rank 0's weights broadcast)."""
-    ranks = _launch(world, mode, tmp_path, reducer)
+    ranks = launches(world, mode, reducer)
     model, opt = single_process(world)
     single = {k: v.detach() for k, v in model.state_dict().items()}
     for r in ranks[1:]:
@@ -111,6 +125,52 @@ def test_ranks_match_one_process_and_each_other(world, mode, reducer, tmp_path, 
         for a, b in zip(m.forge_state.slots, m_ref.forge_state.slots):
             if b is not None:
                 assert (a.float() - b.float()).abs().max() <= 1e-3 * b.float().abs().max() + 1e-12, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", dp_worker.SHARDED_PRECISIONS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_4bit_states_in_bands_match_one_process(world, precision, launches):
+    """log4 and log4_factored under data_parallel="sharded" (each rank its band of rows and their
+    states; log4_factored adds its column sums over the ranks after each step): the ranks agree,
+    and the weights are one process's as for fp32 states; the ranks' states together are one
+    process's (log4_factored: plus each rank's whole column sums), and the gathered state loads
+    into one process with the same codes, scales and vectors as it saved."""
+    from forge_hf import ForgeOptimizer
+    from forge_hf.core.codecs import QuantisedSlot
+    from forge_hf.core.factored import FactoredSlot
+
+    ranks = [r["precisions"][precision] for r in launches(world, "sharded", "ddp")]
+    model, _ = dp_worker.train(world, -1, LOCAL_BATCH, dp_worker.PRECISION_STEPS, mode=None,
+                               state_precision=precision, fuse_embedding="false")
+    for r in ranks[1:]:
+        for name, w in ranks[0]["weights"].items():
+            assert torch.equal(w, r["weights"][name]), f"replicas differ in {name}"
+    single = {k: v.detach() for k, v in model.state_dict().items()}
+    # The tokens reach the bands through the other parameters, stepped from DDP's averaged
+    # gradient (another summation order) with bf16 states (16-bit under a 4-bit precision): that
+    # round-off moves a stochastically rounded state by a bf16 step, or a 4-bit code by one code,
+    # now and then, and such an entry by up to ~lr. A band stepped with another row's bits or
+    # scales would move whole rows. Bit for bit on exact gradients: tests/optim/test_fsdp.py.
+    _assert_like_single_process(ranks[0]["weights"], single, share=0.99, worst=1e-2)
+
+    layers = list(dp_worker.forge_hf.optim.optimizer.fused_layers(model).values())
+    single_state = sum(m.forge_state.nbytes() for m in layers)
+    whole = sum(3 * (m.in_features + 1) * 4 for m in layers) if precision == "log4_factored" else 0
+    assert sum(r["state_bytes"] for r in ranks) == single_state + (world - 1) * whole
+
+    fresh_model, _ = dp_worker.train(world, -1, LOCAL_BATCH, 0, mode=None, state_precision=precision,
+                                     fuse_embedding="false")
+    fresh = ForgeOptimizer(fresh_model, lr=1e-3, weight_decay=0.01)
+    fresh.load_state_dict(ranks[0]["optimizer"])
+    saved = ranks[0]["optimizer"]["state"]
+    again = fresh.state_dict()["state"]
+    for i, state in saved.items():
+        for key, value in state.items():
+            assert torch.equal(again[i][key], value) if torch.is_tensor(value) else again[i][key] == value, (i, key)
+    kinds = {type(s) for m in dp_worker.forge_hf.optim.optimizer.fused_layers(fresh_model).values()
+             for s in m.forge_state.slots if s is not None}
+    assert kinds == ({QuantisedSlot, FactoredSlot} if precision == "log4_factored" else {QuantisedSlot})
 
 
 @pytest.mark.slow

@@ -22,6 +22,10 @@ from forge_hf.optim.distributed import average_gradients, broadcast_parameters, 
 from tests.helpers import tiny_llama as small_llama
 
 VOCAB, SEQ = 128, 8
+# trained besides fp32 in the launches of data_parallel="sharded" with DDP: the 4-bit states in bands,
+# the embedding on the ordinary path in one process too (its states 16-bit there, 4-bit compact)
+SHARDED_PRECISIONS = ("log4", "log4_factored")
+PRECISION_STEPS = 3  # their steps: fewer than fp32's, the 4-bit codecs' reference arithmetic is slow on CPU
 
 
 def tiny_llama():
@@ -33,13 +37,14 @@ def global_batch(step, size):
     return torch.randint(0, VOCAB, (size, SEQ), generator=gen)
 
 
-def train(world, rank, local_batch, steps, mode, state_precision="fp32", reducer="ddp", device="cpu"):
+def train(world, rank, local_batch, steps, mode, state_precision="fp32", reducer="ddp", device="cpu",
+          fuse_embedding="auto"):
     """Train; rank < 0 means one process with the whole global batch. Returns the model
     and its optimizer. On a GPU the fused kernels run compiled (backend "auto")."""
     model = tiny_llama().to(device)
     forge_hf.patch_model(model, optimizer="adamw", state_precision=state_precision,
                          backend="reference" if device == "cpu" else "auto",
-                         min_params=0, lr=1e-3, weight_decay=0.01)
+                         min_params=0, lr=1e-3, weight_decay=0.01, fuse_embedding=fuse_embedding)
     runner, counts = model, None
     if rank >= 0:
         enable_data_parallel(model, mode=mode)
@@ -131,6 +136,17 @@ def stop_without_data_parallel(world, rank, local_batch, steps, find_unused):
     return dict(stopped_at=None, error=None, unchanged=False)
 
 
+def summary(model, opt, rank):
+    """What the test reads of a trained rank: weights, states' bytes, bytes sent, rank 0's
+    gathered optimizer state (loadable by one process)."""
+    fused = forge_hf.optim.optimizer.fused_layers(model)
+    sent = sum(m.forge_dp.bytes_sent for m in fused.values())  # before state_dict's gathers
+    full_state = opt.state_dict()  # gathers shards: every rank calls it
+    return dict(weights={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                norms=getattr(opt, "norms", None), state_bytes=sum(m.forge_state.nbytes() for m in fused.values()),
+                bytes_sent=sent, optimizer=full_state if rank == 0 else None)
+
+
 def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
     if reducer == "graphed":
         torch.cuda.set_device(rank)
@@ -149,14 +165,12 @@ def main(rank, world, init_file, out_dir, mode, local_batch, steps, reducer):
     else:
         model, opt = train(world, rank, local_batch, steps, mode, reducer=reducer,
                            device="cuda" if reducer == "graphed" else "cpu")
-    fused = forge_hf.optim.optimizer.fused_layers(model)
-    state_bytes = sum(m.forge_state.nbytes() for m in fused.values())
-    sent = sum(m.forge_dp.bytes_sent for m in fused.values())
-    full_state = opt.state_dict()  # gathers shards: loadable by one process
-    torch.save(dict(weights={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-                    norms=getattr(opt, "norms", None),
-                    state_bytes=state_bytes, bytes_sent=sent, optimizer=full_state if rank == 0 else None),
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    result = summary(model, opt, rank)
+    if mode == "sharded" and reducer == "ddp":  # in the same launch: a launch costs more than a run
+        result["precisions"] = {p: summary(*train(world, rank, local_batch, PRECISION_STEPS, mode, state_precision=p,
+                                                  fuse_embedding="false"), rank)
+                                for p in SHARDED_PRECISIONS}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
