@@ -8,9 +8,10 @@
 #                   other sub-commands run it first if it has not run on this machine
 #   tests [ARGS]    the pytest suite on one GPU (ARGS replace "tests"), then with two or more
 #                   GPUs the two-GPU data-parallel test; log in $OUT/gpu_pytest.log. Where one call
-#                   is limited to 10 minutes, two calls by layer: tests/{core,kernels,nn}, then
-#                   tests/{optim,integrations,train,benchmarks,notebooks}; PYTEST_SECONDS=N stops
-#                   pytest after N seconds with its summary printed
+#                   is limited to 10 minutes, three calls by layer: tests/{core,kernels,nn}, then
+#                   tests/optim, then tests/{integrations,train,benchmarks,notebooks};
+#                   PYTEST_SECONDS=N stops pytest after N seconds with its summary printed. .whl/ carries datasets, trl and the notebooks'
+#                   runner beside transformers: the GPU image has none of them
 #   grid ARGS       run_grid.py             kernel ARGS   kernel_microbench.py
 #   trainer ARGS    trainer_bench.py: the Trainer API's arms side by side
 #   dp ARGS         dp_bench.py on every visible GPU (torch.distributed.run; NPROC to change)
