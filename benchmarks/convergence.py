@@ -26,7 +26,8 @@ on the plot.
 --quantization-report: one more arm, forge_fp32 (bf16 weights, fp32 state), whose AdamW
 moments are read at the --capture-steps; each step's gradient is recovered from two
 consecutive first moments, and forge_hf.quantization_report measures on every fused layer
-how bf16, int8 and al8 storage of those real states would change that step's update (E_upd).
+how bf16, int8, al8, log4 and log4_factored storage of those real states would change that
+step's update (E_upd).
 
 Each (arm, lr) is a row of the results table (final_eval_loss in the note); --out holds the
 curves (rewritten after each arm, so a run cut short keeps the arms it finished). With
@@ -80,7 +81,7 @@ ARMS = {
 REFERENCE = "fp32_master"
 CAPTURE_ARM = "forge_fp32"  # --quantization-report's: fp32 moments, nothing rounded away yet
 ALL_ARMS = {**ARMS, CAPTURE_ARM: Arm(torch.bfloat16, "fp32")}
-REPORT_PRECISIONS = ("bf16", "int8", "al8")
+REPORT_PRECISIONS = ("bf16", "int8", "al8", "log4", "log4_factored")
 
 
 # ------------------------------------------------------------------------------ the data
@@ -479,7 +480,8 @@ def parse_args(argv=None):
                                                     "CUDA, reference on CPU)")
     ap.add_argument("--no-graph", action="store_true", help="forge's arms eager on CUDA too")
     ap.add_argument("--quantization-report", action="store_true",
-                    help=f"also run {CAPTURE_ARM} and report int8/al8/bf16 update error on its moments")
+                    help=f"also run {CAPTURE_ARM} and report the update error of {'/'.join(REPORT_PRECISIONS)} "
+                         "storage on its moments")
     ap.add_argument("--capture-steps", default=None,
                     help="steps whose update is measured (default: 2%%, 20%%, 50%% and 100%% of --steps)")
     ap.add_argument("--out", type=Path, help="the curves (and reports) as JSON")
