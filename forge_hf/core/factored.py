@@ -47,6 +47,12 @@ def clear_set(step: int) -> int:
     return (step + 1) % SETS
 
 
+def rank1(rows: torch.Tensor, cols: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """R_i C_j / S (0 where S is 0), the products in the Triton kernel's order."""
+    inverse = torch.where(total > 0, 1.0 / total, 0.0)  # 1 / S correctly rounded: a quotient of tensors
+    return rows[:, None] * cols[None, :] * inverse
+
+
 def whole_keys(slot_names) -> set[str]:
     """The state_dict keys of factored moments that every rank of a row-sharded layer holds
     whole (column sums and total): not split by rows in checkpoints."""
@@ -99,8 +105,7 @@ class FactoredSlot:
     def read(self, step: int, rows=slice(None), cols=slice(None)) -> torch.Tensor:
         """V_{step-1} on (rows, cols): R_i C_j / S, the products in the Triton kernel's order."""
         r, c, s = self.parts(read_set(step))
-        inverse = torch.where(s > 0, 1.0 / s, 0.0)  # 1 / S correctly rounded: a quotient of tensors
-        return r[rows][:, None] * c[cols][None, :] * inverse
+        return rank1(r[rows], c[cols], s)
 
     def add(self, step: int, value: torch.Tensor, rows=slice(None), cols=slice(None)) -> None:
         """A tile's new v into step ``step``'s sums: its row sums, column sums and total (the

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .codecs import LEGACY_AL8, QuantisedSlot, saved_codec, slot_codec
-from .factored import FactoredSlot, whole_keys
+from .factored import FactoredSlot, rank1, whole_keys
 from .precision_checks import check_group
 from .rules import Rule
 
@@ -190,7 +190,7 @@ class ForgeState:
                 dist.all_reduce(tail, group=group)
                 cols, total = tail[:-1], tail[-1]
         if not self._factored(index):
-            full = rows[:, None] * cols[None, :] * torch.where(total > 0, 1.0 / total, 0.0)
+            full = rank1(rows, cols, total)
             return self._loaded_slot({**sd, name: _logical(full, bool(self.transposed))}, name, index, param)
         slot = self._new_slot(param, index, 0.0)
         slot.vectors.zero_()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.factored import rank1
+
 _C8, _C16 = torch.arange(8.0), torch.arange(16.0)
 SIGNED_MAPS = {  # magnitude grids in [0, 1], 8 entries
     "lin": _C8 / 7,
@@ -89,5 +91,4 @@ def factored(v: torch.Tensor) -> torch.Tensor:
     C and total S, read back as R_i C_j / S (core/factored.py): its rank-1 estimate with the same
     row and column sums."""
     v = v.float()
-    rows, cols, total = v.sum(1), v.sum(0), v.sum()
-    return rows[:, None] * cols[None, :] * torch.where(total > 0, 1.0 / total, 0.0)
+    return rank1(v.sum(1), v.sum(0), v.sum())
