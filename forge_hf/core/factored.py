@@ -53,6 +53,12 @@ def rank1(rows: torch.Tensor, cols: torch.Tensor, total: torch.Tensor) -> torch.
     return rows[:, None] * cols[None, :] * inverse
 
 
+def reduce_factored_columns(slots, step: int, group) -> int:
+    """Row-sharded: each factored slot among ``slots`` adds every rank's share of its column sums
+    (FactoredSlot.reduce_columns); the bytes this rank sent."""
+    return sum(s.reduce_columns(step, group) for s in slots if isinstance(s, FactoredSlot))
+
+
 def whole_keys(slot_names) -> set[str]:
     """The state_dict keys of factored moments that every rank of a row-sharded layer holds
     whole (column sums and total): not split by rows in checkpoints."""
@@ -132,12 +138,12 @@ class FactoredSlot:
             c.mul_(torch.where(s > 0, share / s, 0.0))
             s.copy_(share)
 
-    def reduce_columns(self, step: int, group, empty: bool = False) -> int:
-        """Row-sharded: add every rank's share of step ``step``'s column sums and total
-        (``empty``: this rank stepped no rows, so its share is zero). Returns the bytes a
-        ring all-reduce puts on the wire from this rank: 2 (W - 1) chunks of (K + 1) / W."""
+    def reduce_columns(self, step: int, group) -> int:
+        """Row-sharded: add every rank's share of step ``step``'s column sums and total (a rank
+        with no rows stepped nothing: its share is zero). Returns the bytes a ring all-reduce
+        puts on the wire from this rank: 2 (W - 1) chunks of (K + 1) / W."""
         tail = self.vectors[sum_set(step), self.out_features:]  # C then S, contiguous
-        if empty:
+        if self.out_features == 0:
             tail.zero_()
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("state_precision='log4_factored' on row shards sums its column vectors over the "

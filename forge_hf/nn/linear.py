@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import ForgeConfig, resolve_config
-from ..core.factored import FactoredSlot
+from ..core.factored import reduce_factored_columns
 from ..core.rounding import layer_salt
 from ..core.state import ForgeState
 from ..kernels import bind_fused_update, next_launch_args
@@ -415,9 +415,7 @@ class FusedWeightMixin:
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
             self.forge_launcher(weight, state)(x2, dy2, args, stats)
         if sharded:  # a factored moment's column sums: every rank's rows' share
-            for slot in state.slots:
-                if isinstance(slot, FactoredSlot):
-                    dp.count_sent(slot.reduce_columns(state.step, dp.group, empty=weight.shape[0] == 0))
+            dp.count_sent(reduce_factored_columns(state.slots, state.step, dp.group))
         if dp is not None:
             dp.share_rows(self.forge_weight_view().data)
 

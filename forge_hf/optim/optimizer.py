@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..core.codecs import QuantisedSlot
-from ..core.factored import FactoredSlot
+from ..core.factored import FactoredSlot, reduce_factored_columns
 from ..core.rounding import layer_salt
 from ..core.state import ForgeState, slots_key
 from ..kernels import (
@@ -450,10 +450,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _reduce_columns(factored: list, step: int, shards) -> None:
         """A factored moment of a row-sharded weight (a fused layer's FSDP2 shard on the ordinary
         path): its column sums and total added over the ranks (factored.FactoredSlot.reduce_columns)."""
-        if shards is None:
-            return
-        for slot in factored:
-            slot.reduce_columns(step, shards.group, empty=slot.out_features == 0)
+        if shards is not None:
+            reduce_factored_columns(factored, step, shards.group)
 
     def _step_gradient(self, p: torch.Tensor, group: dict, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``p`` stepped from a whole gradient in p's layout (a fused layer's held buffer):

@@ -202,7 +202,7 @@ def test_row_shards_sum_their_column_shares_over_the_ranks(monkeypatch):
     empty = FactoredSlot.empty(0, 5, "cpu")
     empty.vectors.fill_(7.0)
     shares = [torch.zeros(6), torch.zeros(6)]
-    empty.reduce_columns(1, "group", empty=True)
+    empty.reduce_columns(1, "group")
     assert torch.equal(empty.vectors[factored.sum_set(1)], torch.zeros(6))
 
     half = halves[0]
