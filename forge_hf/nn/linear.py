@@ -414,7 +414,7 @@ class FusedWeightMixin:
         args = next_launch_args(rule, group, state, self.forge_salt(), device, start + (0 if tp is None else tp.row0))
         if weight.shape[0] > 0:  # a rank may own no rows of a small layer
             self.forge_launcher(weight, state)(x2, dy2, args, stats)
-        if sharded:  # a factored moment's column sums: every rank's rows' share
+        if sharded and state.stored_precision == "log4_factored":  # its column sums: every rank's rows' share
             dp.count_sent(reduce_factored_columns(state.slots, state.step, dp.group))
         if dp is not None:
             dp.share_rows(self.forge_weight_view().data)

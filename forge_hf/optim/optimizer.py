@@ -450,7 +450,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _reduce_columns(factored: list, step: int, shards) -> None:
         """A factored moment of a row-sharded weight (a fused layer's FSDP2 shard on the ordinary
         path): its column sums and total added over the ranks (factored.FactoredSlot.reduce_columns)."""
-        if shards is not None:
+        if shards is not None and factored:
             reduce_factored_columns(factored, step, shards.group)
 
     def _step_gradient(self, p: torch.Tensor, group: dict, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
