@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -230,8 +231,15 @@ class MeshShards:
     def as_dtensor(self, t: torch.Tensor) -> DTensor:
         """``t``, this rank's piece of a state, as the whole state's DTensor placed as the parameter."""
         shape = self._whole_shape(t)
-        return DTensor.from_local(t, self.mesh, self.placements, run_check=False, shape=torch.Size(shape),
-                                  stride=_contiguous_stride(shape))
+        whole = DTensor.from_local(t, self.mesh, self.placements, run_check=False, shape=torch.Size(shape),
+                                   stride=_contiguous_stride(shape))
+        if any(isinstance(p, _StridedShard) for p in self.placements):
+            # the placement as written (transformers' packed halves), not an encoding of a shard
+            # order, as torch 2.11 reads it and then cannot redistribute
+            spec = whole._spec
+            whole._spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=spec.tensor_meta,
+                                      use_strided_shard_as_shard_order=False)
+        return whole
 
     def local_shape_of(self, shape) -> tuple[int, ...]:
         """This rank's piece of a whole state of ``shape`` (a checkpoint's)."""

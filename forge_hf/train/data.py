@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 from datasets import Dataset, Features, IterableDataset, Sequence, Value, load_dataset
+from datasets.fingerprint import Hasher
+from datasets.io.generator import GeneratorDatasetInputStream
 
 from .arguments import DataArguments
 
@@ -102,10 +104,13 @@ def _endless_blocks(rows, tokenizer, template, block_size):
 
 
 def block_stream(rows, tokenizer, template: str, block_size: int) -> IterableDataset:
-    """The run's blocks, without end: for streamed rows."""
-    return IterableDataset.from_generator(
-        _endless_blocks, features=BLOCK_FEATURES,
-        gen_kwargs=dict(rows=rows, tokenizer=tokenizer, template=template, block_size=block_size))
+    """The run's blocks, without end: for streamed rows. IterableDataset.from_generator, with
+    the stream named by its settings: from_generator names it by pickling its arguments, which
+    fails on some Python versions for a streamed dataset's state (a generator inside)."""
+    name = Hasher.hash((template, block_size, tokenizer.name_or_path, len(tokenizer)))
+    return GeneratorDatasetInputStream(
+        generator=_endless_blocks, features=BLOCK_FEATURES, streaming=True, fingerprint=name,
+        gen_kwargs=dict(rows=rows, tokenizer=tokenizer, template=template, block_size=block_size)).read()
 
 
 def block_table(rows, tokenizer, template: str, block_size: int, n_blocks: int) -> Dataset:

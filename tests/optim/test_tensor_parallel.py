@@ -212,6 +212,7 @@ def test_bf16_shards_step_as_the_unsharded_kernel(style, rounding, launched):
         got = r["bits"][(style, rounding)]
         assert got["fused"] == 1
         assert torch.equal(got["weight"], plain[0].weight.detach())
+        assert torch.equal(got["exp_avg"], plain[0].forge_state.slots[0])
         if plain[0].bias is not None:
             assert torch.equal(got["bias_grad"], plain[0].bias.grad)
 

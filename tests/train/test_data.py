@@ -12,7 +12,16 @@ from datasets import Dataset
 from transformers import AutoTokenizer, TrainingArguments
 
 from forge_hf.train.arguments import DataArguments
-from forge_hf.train.data import blocks_per_step, build_datasets, load_rows, pack, row_tokens, shuffle_rows, split_eval
+from forge_hf.train.data import (
+    block_stream,
+    blocks_per_step,
+    build_datasets,
+    load_rows,
+    pack,
+    row_tokens,
+    shuffle_rows,
+    split_eval,
+)
 
 ASSETS = Path(__file__).resolve().parents[2] / "forge_hf" / "assets" / "smoke"
 CORPUS = ASSETS / "omi2_mini.jsonl"
@@ -160,3 +169,11 @@ def test_a_step_trains_every_micro_batch_of_every_process(monkeypatch, tmp_path)
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3,
                              use_cpu=True, report_to="none")
     assert blocks_per_step(args) == 4 * 3 * 2
+
+
+def test_a_stream_whose_rows_cannot_be_pickled_still_gives_its_blocks(tokenizer, rows):
+    """A streamed dataset's state may hold what pickle refuses (a generator, on some Python
+    versions); the block stream is named by its settings, not by pickling its rows."""
+    streamed = load_rows(DataArguments(dataset_source="local", data_files=[str(CORPUS)], streaming=True))
+    streamed.unpicklable = (n for n in range(3))
+    assert blocks_of(block_stream(streamed, tokenizer, TEMPLATE, BLOCK), 5) == packed(rows, tokenizer)[:5]
