@@ -1,6 +1,7 @@
 """Trainer integration: optim="forge_*" names, ForgeTrainer against Trainer(adamw_torch),
 the lr the kernels use, grad_norm, checkpoint resume, refusals, accelerate launch."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -279,6 +280,18 @@ def test_refusals(tmp_path, overrides, after, match):
         after(args)
     with pytest.raises(ValueError, match=match):
         ForgeTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
+
+
+@pytest.mark.parametrize("overrides,advised", [
+    (dict(gradient_accumulation_steps=2), True),
+    (dict(gradient_accumulation_steps=2, use_liger_kernel=True), False),
+    (dict(gradient_accumulation_steps=1), False),
+], ids=["eager", "liger", "no_accumulation"])
+def test_accumulating_with_eager_model_ops_is_advised_to_compile(tmp_path, caplog, overrides, advised):
+    trainer = ForgeTrainer(model=tiny_llama(), args=training_args(tmp_path, **overrides), train_dataset=dataset())
+    with caplog.at_level(logging.WARNING):
+        trainer.create_optimizer()
+    assert ("set torch_compile=True or use_liger_kernel=True" in caplog.text) is advised
 
 
 def test_refuses_torch_data_parallel_over_gpus(tmp_path, monkeypatch):
