@@ -286,9 +286,9 @@ class ForgeTrainerMixin:
                     and not self.args.use_liger_kernel:
                 # every micro-batch forms its weight gradient, as the Trainer's does: what is left to
                 # win is in the model's own ops (docs/performance.md, Qwen3-1.7B: 0.73x eager)
-                logger.warning(f"forge: gradient_accumulation_steps={accumulating} with the model's ops eager: "
-                               "set torch_compile=True or use_liger_kernel=True for a step faster than the "
-                               "compiled Trainer's")
+                logger.warning(f"forge: gradient_accumulation_steps={accumulating} with the model's ops eager: each "
+                               "micro-batch forms its weight gradient, so the model's own ops set the step's pace; "
+                               "set torch_compile=True or use_liger_kernel=True to speed them up")
         if self.forge_fsdp2:
             # accelerate's prepare shards the model after this and puts the sharded parameters in
             # this optimizer: create_scheduler, which the Trainer calls next, builds it again on them
