@@ -3,10 +3,13 @@ dY^T X added by cuBLAS in place (exact: the FORGE paper's Appendix L), or bf16, 
 sum formed in fp32 a band of rows at a time and added rounded stochastically (unbiased).
 
 The bf16 buffer's rounding bits come from core/rounding.py's hash of (element index in the
-layer's (out, in) buffer, the layer's held-gradient salt, the count of its adds). The count is
-a device tensor, advanced on the device by each add: a CUDA graph's replays take fresh bits,
-and the same seed gives the same bits in every run and on both backends (the Triton kernel or
-its PyTorch twin, kernels/rounded_sum.py).
+layer's (out, in) buffer, the layer's held-gradient salt, a count of backwards). The count is a
+device tensor that every layer of one optimizer shares (AddCounts), advanced on the device once
+a backward - by the first add of a layer that added since the last advance, so no layer adds
+twice at one count and a CUDA graph's replays take fresh bits - and the layers' salts keep
+their bits apart. The same seed gives the same bits in every run and on both backends (the
+Triton kernel or its PyTorch twin, kernels/rounded_sum.py). A window's first add writes its
+buffer (torch.empty) without reading it.
 
 Transient memory of a bf16 add: one fp32 band of at most ROUND_CHUNK entries (64 MiB), plus on
 the PyTorch path its hash's int64 temporaries (a few band-sized tensors).
@@ -22,38 +25,65 @@ from ..kernels import add_rounded, addmm_fp32, matmul_fp32
 ROUND_CHUNK = 1 << 24  # fp32 entries of a bf16 buffer's sum formed at once
 
 
-class RoundedSums:
-    """A bf16 buffer's rounding stream: the layer's key and the device count of its adds."""
+class AddCounts:
+    """The count of backwards the bf16 buffers of one optimizer's layers round with, one 0-dim
+    int64 tensor a device: one increment a backward instead of one an add."""
 
-    def __init__(self, salt: int, device: torch.device | str, kernel: bool):
+    def __init__(self):
+        self.counts: dict[torch.device, torch.Tensor] = {}
+        self.added: dict[torch.device, set] = {}  # the layers that added at the device's count
+
+    def take(self, layer_key: int, device: torch.device | str) -> torch.Tensor:
+        """The count layer ``layer_key`` adds at on ``device``: advanced first when that layer
+        has added at the present count (the next backward's first add) or none has yet."""
+        device = torch.device(device)
+        count, added = self.counts.get(device), self.added.setdefault(device, set())
+        if count is None:
+            count = self.counts[device] = torch.zeros((), dtype=torch.int64, device=device)
+        if not added or layer_key in added:
+            count += 1
+            added.clear()
+        added.add(layer_key)
+        return count
+
+
+class RoundedSums:
+    """A bf16 buffer's rounding stream: the layer's key and the counts it shares with the
+    optimizer's other layers (its own when none is given)."""
+
+    def __init__(self, salt: int, kernel: bool, counts: AddCounts | None = None):
         self.salt = held_salt(salt)
-        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self.counts = counts if counts is not None else AddCounts()
         self.kernel = kernel  # the Triton kernel (else its PyTorch twin)
 
-    def on(self, device: torch.device) -> RoundedSums:
-        if self.count.device != device:  # the model moved after the optimizer was built (eager)
-            self.count = self.count.to(device)
-        return self
+    def count(self, device: torch.device) -> torch.Tensor:
+        """The count of this layer's next add, on ``device`` (where the model is now)."""
+        return self.counts.take(id(self), device)
 
 
-def add_products(buffer: torch.Tensor, pairs: list, rounded: RoundedSums | None) -> None:
+def add_products(buffer: torch.Tensor, pairs: list, rounded: RoundedSums | None, fresh: bool = False) -> None:
     """``buffer`` += the sum of dy^T x over ``pairs``, in place: fp32 exactly as cuBLAS adds;
-    bf16 (``rounded``) with the sum formed in fp32 and rounded once a band of rows."""
+    bf16 (``rounded``) with the sum formed in fp32 and rounded once a band of rows. ``fresh``:
+    the buffer is new (torch.empty) and taken as zeros, not read."""
+    (x0, dy0), rest = pairs[0], pairs[1:]
     if buffer.dtype == torch.float32:
-        for x, dy in pairs:
+        if fresh:
+            matmul_fp32(dy0.t(), x0, buffer)
+        else:
+            rest = pairs
+        for x, dy in rest:
             addmm_fp32(buffer, dy.t(), x)
         return
     n, k = buffer.shape
     rows = min(n, max(1, ROUND_CHUNK // max(k, 1)))
     band = torch.empty(rows, k, dtype=torch.float32, device=buffer.device)
-    (x0, dy0), rest = pairs[0], pairs[1:]
+    count = rounded.count(buffer.device)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         b = matmul_fp32(dy0[:, r0:r1].t(), x0, band[:r1 - r0])
         for x, dy in rest:
             addmm_fp32(b, dy[:, r0:r1].t(), x)
-        add_rounded(buffer[r0:r1], b, r0 * k, rounded.salt, rounded.count, rounded.kernel)
-    rounded.count += 1
+        add_rounded(buffer[r0:r1], b, r0 * k, rounded.salt, count, rounded.kernel, fresh)
 
 
 def squared_sum(buffer: torch.Tensor) -> torch.Tensor:

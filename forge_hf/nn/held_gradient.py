@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import matmul_fp32, reference_fused_update, resolve_backend
-from .held_buffer import RoundedSums, add_products, squared_sum
+from .held_buffer import AddCounts, RoundedSums, add_products, squared_sum
 
 NORM_CHUNK = 1 << 24  # fp32 entries of the gradient formed at once for a stash's norm
 BUFFER_MODES = ("buffer", "bf16_buffer")
@@ -57,7 +57,7 @@ class HeldGradient:
                  rounded: RoundedSums | None = None):
         self.mode = mode  # ForgeConfig.accumulation, validated there
         self.weight_dtype = weight_dtype
-        self.rounded = rounded if rounded is not None else RoundedSums(0, "cpu", kernel=False)
+        self.rounded = rounded if rounded is not None else RoundedSums(0, kernel=False)
         self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens x in, tokens x out) pairs
         self.buffer: torch.Tensor | None = None  # (out, in): fp32, or bf16 rounded stochastically
         self.tokens = 0  # tokens held since the last step
@@ -78,7 +78,7 @@ class HeldGradient:
         self.gathered = gathered
         self.tokens += x2.shape[0]
         if self.buffer is not None:
-            add_products(self.buffer, [(x2, dy2)], self.rounded.on(x2.device))
+            add_products(self.buffer, [(x2, dy2)], self.rounded)
             return
         rows = x2.numel() * x2.element_size() + dy2.numel() * dy2.element_size()
         bound = trainer_bytes(x2.shape[1], dy2.shape[1], self.weight_dtype)
@@ -86,10 +86,10 @@ class HeldGradient:
             self.stash.append((x2, dy2))
             self.stash_bytes += rows
             return
-        self.buffer = torch.zeros(dy2.shape[1], x2.shape[1], dtype=buffer_dtype(self.mode, self.weight_dtype),
+        self.buffer = torch.empty(dy2.shape[1], x2.shape[1], dtype=buffer_dtype(self.mode, self.weight_dtype),
                                   device=x2.device)
         pairs, self.stash, self.stash_bytes = [*self.stash, (x2, dy2)], [], 0
-        add_products(self.buffer, pairs, self.rounded.on(x2.device))  # a bf16 buffer rounds them once
+        add_products(self.buffer, pairs, self.rounded, fresh=True)  # a bf16 buffer rounds them once
 
     def tokens_and_gradients(self, joined: dict | None = None,
                              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,17 +158,18 @@ class HeldGradient:
         return self.stash_bytes
 
 
-def held_for(layer, mode: str) -> HeldGradient:
+def held_for(layer, mode: str, counts: AddCounts | None = None) -> HeldGradient:
     """The HeldGradient of fused ``layer`` under ForgeConfig.accumulation ``mode``: its bound
-    from the weight's dtype, a bf16 buffer's stream keyed by the layer's salt, rounded by the
-    layer's backend (the Triton kernel where it steps by Triton)."""
+    from the weight's dtype, a bf16 buffer's stream keyed by the layer's salt and counted by
+    ``counts`` (one optimizer's layers share them), rounded by the layer's backend (the Triton
+    kernel where it steps by Triton)."""
     weight = layer.forge_weight_view()
     if mode == "bf16_buffer" and weight.dtype != torch.bfloat16:
         raise ValueError(f"accumulation='bf16_buffer' rounds {layer.forge_name}'s held gradient to bf16, but its "
                          f"weight is {weight.dtype}, whose exact fp32 buffer takes no more than its own gradient: "
                          "use accumulation='buffer' or 'auto'")
     kernel = resolve_backend(layer.forge_config.backend, weight.device) is not reference_fused_update
-    return HeldGradient(mode, weight.dtype, RoundedSums(layer.forge_salt(), weight.device, kernel))
+    return HeldGradient(mode, weight.dtype, RoundedSums(layer.forge_salt(), kernel, counts))
 
 
 def gram(rows: torch.Tensor, cache: dict | None = None) -> torch.Tensor:

@@ -31,6 +31,7 @@ from ..kernels import (
     release_held_args,
     resolve_backend,
 )
+from ..nn.held_buffer import AddCounts
 from ..nn.held_gradient import held_for
 from ..nn.linear import FusedWeightMixin
 from .embedding_step import EmbeddingSteps
@@ -184,8 +185,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # whether the fused layers hold their gradient until step() (accumulating or clipping), fixed here:
         # each one holds it from now on (held_gradient.py)
         self.holds_updates = self.accumulation_steps != 1 or self.max_grad_norm > 0
+        counts = AddCounts()  # the bf16 buffers' one count of backwards (held_buffer.py)
         for layer in self._layers.values():
-            layer.forge_held = held_for(layer, config.accumulation) if self.holds_updates else None
+            layer.forge_held = held_for(layer, config.accumulation, counts) if self.holds_updates else None
 
     @property
     def accumulate(self) -> bool | int:

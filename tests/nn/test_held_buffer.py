@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forge_hf.kernels import add_rounded
-from forge_hf.nn.held_buffer import RoundedSums
+from forge_hf.nn.held_buffer import AddCounts, RoundedSums
 from forge_hf.nn.held_gradient import HeldGradient
 from tests.helpers import DEVICE
 
@@ -21,7 +21,7 @@ def pairs(n=3, tokens=9, seed=0):
 
 
 def bf16_buffer(salt, kernel, held_pairs):
-    held = HeldGradient("bf16_buffer", torch.bfloat16, RoundedSums(salt, DEVICE, kernel))
+    held = HeldGradient("bf16_buffer", torch.bfloat16, RoundedSums(salt, kernel))
     for x, dy in held_pairs:
         held.add(x, dy)
     return held
@@ -40,9 +40,32 @@ def test_the_kernel_rounds_with_the_reference_bits():
         assert not torch.equal(out[0], rows)
 
 
+@pytest.mark.parametrize("kernel", [False, True])
+def test_a_fresh_add_stores_what_an_add_to_zeros_stores(kernel):
+    """A window's first add writes its new buffer without reading it: whatever the buffer held
+    (torch.empty), the bits of adding the band to zeros."""
+    gen = torch.Generator().manual_seed(2)
+    band = torch.randn(OUT, IN, generator=gen).to(DEVICE) * torch.logspace(-6, 2, IN).to(DEVICE)
+    zeros, garbage = torch.zeros(OUT, IN, dtype=torch.bfloat16, device=DEVICE), torch.full(
+        (OUT, IN), 3.0, dtype=torch.bfloat16, device=DEVICE)
+    count = torch.tensor(5, device=DEVICE)
+    add_rounded(zeros, band, 0, 0xBEEF, count, kernel)
+    add_rounded(garbage, band, 0, 0xBEEF, count, kernel, fresh=True)
+    assert torch.equal(zeros.view(torch.int16), garbage.view(torch.int16))
+
+
+def test_one_count_a_backward_and_never_one_count_twice_for_a_layer():
+    """The optimizer's layers share one device count: advanced by a backward's first add (and by
+    the first add ever), not by each layer's; a layer that adds twice in one backward advances it."""
+    counts = AddCounts()
+    taken = [counts.take(key, DEVICE).item() for key in (1, 2, 3, 1, 2, 3)]
+    assert taken == [1, 1, 1, 2, 2, 2]
+    assert [counts.take(key, DEVICE).item() for key in (1, 1, 2)] == [3, 4, 4]
+
+
 def test_a_bf16_buffer_is_reproducible_and_alike_on_both_backends(monkeypatch):
     """Bands of 4 rows (one sum rounded a band); the same seed gives the same bits on either
-    backend, another seed other bits; each add advances the stream's device count."""
+    backend, another seed other bits; each add of a layer of its own advances its device count."""
     monkeypatch.setattr("forge_hf.nn.held_buffer.ROUND_CHUNK", 4 * IN)
     held_pairs = pairs()
     runs = {(salt, kernel): bf16_buffer(salt, kernel, held_pairs) for salt in (3, 4) for kernel in (False, True)}
@@ -50,7 +73,7 @@ def test_a_bf16_buffer_is_reproducible_and_alike_on_both_backends(monkeypatch):
     assert torch.equal(bits[3, False], bits[3, True]) and torch.equal(bits[4, False], bits[4, True])
     assert torch.equal(bits[3, False], bf16_buffer(3, False, held_pairs).buffer.view(torch.int16))
     assert not torch.equal(bits[3, False], bits[4, False])
-    assert all(held.rounded.count.item() == 3 and held.nbytes() == OUT * IN * 2 for held in runs.values())
+    assert all([c.item() for c in held.rounded.counts.counts.values()] == [3] and held.nbytes() == OUT * IN * 2 for held in runs.values())
 
 
 def test_a_bf16_buffer_is_unbiased():
