@@ -23,6 +23,7 @@ from ..core.rounding import held_salt
 from ..kernels import add_rounded, addmm_fp32, matmul_fp32
 
 ROUND_CHUNK = 1 << 24  # fp32 entries of a bf16 buffer's sum formed at once
+HELD_ADDS = "forge_held_adds"  # an optimizer state dict's key of the count (AddCounts.value)
 
 
 class AddCounts:
@@ -32,6 +33,20 @@ class AddCounts:
     def __init__(self):
         self.counts: dict[torch.device, torch.Tensor] = {}
         self.added: dict[torch.device, set] = {}  # the layers that added at the device's count
+        self.start = 0  # a device's count before its first add (a resumed run's saved count)
+
+    def value(self) -> int:
+        """The count to save with the optimizer (checkpoints), so a resumed run rounds as the
+        straight one: the devices' counts agree, each advanced once a backward."""
+        return max([int(count.item()) for count in self.counts.values()], default=self.start)
+
+    def restore(self, value: int) -> None:
+        """Go on from a saved ``value`` (in place: a captured CUDA graph reads these tensors)."""
+        self.start = int(value)
+        for count in self.counts.values():
+            count.fill_(self.start)
+        for added in self.added.values():
+            added.clear()
 
     def take(self, layer_key: int, device: torch.device | str) -> torch.Tensor:
         """The count layer ``layer_key`` adds at on ``device``: advanced first when that layer
@@ -39,7 +54,7 @@ class AddCounts:
         device = torch.device(device)
         count, added = self.counts.get(device), self.added.setdefault(device, set())
         if count is None:
-            count = self.counts[device] = torch.zeros((), dtype=torch.int64, device=device)
+            count = self.counts[device] = torch.full((), self.start, dtype=torch.int64, device=device)
         if not added or layer_key in added:
             count += 1
             added.clear()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from ..nn.held_buffer import HELD_ADDS
 from ..nn.linear import FusedWeightMixin
 from .distributed import TokenCounts, TokenExchange, TokenGather
 from .tensor_parallel import MeshShards
@@ -180,7 +181,8 @@ def fsdp_needed(model: torch.nn.Module) -> bool:
 # (DCP) instead: every state tensor is put in a DTensor placed as its parameter is (Shard(0)
 # on the parameter's mesh), so each rank writes and reads its rows only, and DCP reshards a
 # checkpoint into another world size. Keys: "state.<i>.<name>" for parameter i of the
-# optimizer's param_groups (ForgeOptimizer's own numbering), and "param_groups".
+# optimizer's param_groups (ForgeOptimizer's own numbering), "param_groups", and the held bf16
+# buffers' count of backwards (HELD_ADDS).
 
 _GROUPS = "param_groups"
 
@@ -203,7 +205,7 @@ def save_sharded_optimizer(optimizer, checkpoint_dir) -> None:
     import torch.distributed.checkpoint as dcp
 
     groups = torch.optim.Optimizer.state_dict(optimizer)[_GROUPS]  # hyperparameters and parameter indices
-    sd = {_GROUPS: tuple(groups)}  # a tuple of dicts is one entry for DCP, not one per value
+    sd = {_GROUPS: tuple(groups), HELD_ADDS: optimizer.held_adds.value()}  # a tuple of dicts: one entry for DCP
     for i, p in enumerate(optimizer.params()):
         state = optimizer.state[p]
         if not state.allocated:
@@ -228,7 +230,7 @@ def load_sharded_optimizer(optimizer, checkpoint_dir) -> None:
     # DCP fills a state dict of the right shapes in place: built from what the checkpoint holds
     template = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
-        index = int(key.split(".")[1]) if key != _GROUPS else -1
+        index = int(key.split(".")[1]) if key not in (_GROUPS, HELD_ADDS) else -1
         if index >= len(params):
             raise ValueError(f"{checkpoint_dir} holds a state of parameter {index}, but the optimizer has "
                              f"{len(params)} parameters: it was saved for another model")
@@ -251,7 +253,8 @@ def load_sharded_optimizer(optimizer, checkpoint_dir) -> None:
 
     saved: dict[int, dict] = {}
     for key, value in template.items():
-        if key != _GROUPS:
+        if key not in (_GROUPS, HELD_ADDS):
             _, i, name = key.split(".", 2)
             saved.setdefault(int(i), {})[name] = value.to_local() if isinstance(value, DTensor) else value
-    optimizer.load_local_state_dict({"state": saved, _GROUPS: list(template[_GROUPS])})
+    optimizer.load_local_state_dict({"state": saved, _GROUPS: list(template[_GROUPS]),
+                                     HELD_ADDS: template.get(HELD_ADDS, 0)})

@@ -31,7 +31,7 @@ from ..kernels import (
     release_held_args,
     resolve_backend,
 )
-from ..nn.held_buffer import AddCounts
+from ..nn.held_buffer import HELD_ADDS, AddCounts
 from ..nn.held_gradient import held_for
 from ..nn.linear import FusedWeightMixin
 from .embedding_step import EmbeddingSteps
@@ -185,9 +185,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # whether the fused layers hold their gradient until step() (accumulating or clipping), fixed here:
         # each one holds it from now on (held_gradient.py)
         self.holds_updates = self.accumulation_steps != 1 or self.max_grad_norm > 0
-        counts = AddCounts()  # the bf16 buffers' one count of backwards (held_buffer.py)
+        self.held_adds = AddCounts()  # the bf16 buffers' one count of backwards (held_buffer.py), checkpointed
         for layer in self._layers.values():
-            layer.forge_held = held_for(layer, config.accumulation, counts) if self.holds_updates else None
+            layer.forge_held = held_for(layer, config.accumulation, self.held_adds) if self.holds_updates else None
 
     @property
     def accumulate(self) -> bool | int:
@@ -519,6 +519,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()  # param_groups (hyperparameters) with torch's parameter indices
         sd["state"] = {i: self._full_state(p) for i, p in enumerate(self.params())
                        if self.state[p].allocated}
+        sd[HELD_ADDS] = self.held_adds.value()
         return sd
 
     def _sharding(self, p):
@@ -566,6 +567,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _load(self, state_dict: dict, own_rows) -> None:
         saved = state_dict.get("state", {})
+        self.held_adds.restore(state_dict.get(HELD_ADDS, 0))  # absent: a checkpoint with no bf16 buffer's count
         states = self.state  # ForgeState objects, shared with the fused layers: keep them
         groups = self.param_groups  # the dicts the fused layers read: keep them too
         super().load_state_dict({**state_dict, "state": {}})  # checks and restores param_groups

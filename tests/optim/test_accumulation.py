@@ -371,3 +371,39 @@ def test_bf16_stash_steps_the_bits_of_one_backward_over_the_same_tokens(k):
     assert not torch.equal(held[0], base.weight.to(DEVICE))  # it moved
     for a, b in zip(held, once):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_bf16_buffer_run_resumes_bit_for_bit():
+    """The bf16 buffers' count of backwards travels in the optimizer's state dict: a run stopped
+    after a step and resumed from its state dicts rounds its later buffers with the straight
+    run's bits (restarting the count would give other ones)."""
+    def run(model, optimizer, steps):
+        for s in steps:
+            for ids in batches(K, seed=10 * s + 1):
+                (model(input_ids=ids, labels=ids).loss / K).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def built():
+        torch.manual_seed(0)
+        model = odd_llama().to(torch.bfloat16)
+        patch_model(model, optimizer="adamw", backend="reference", min_params=0, accumulation="bf16_buffer")
+        return model, ForgeOptimizer(model, lr=2e-3, weight_decay=0.01, accumulate=True)
+
+    straight, straight_opt = built()
+    run(straight, straight_opt, range(3))
+    first, first_opt = built()
+    run(first, first_opt, range(1))
+    saved = (first.state_dict(), first_opt.state_dict())
+    assert saved[1]["forge_held_adds"] == K  # one count a backward
+    resumed, resumed_opt = built()
+    resumed.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    run(resumed, resumed_opt, range(1, 3))
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    restarted, restarted_opt = built()
+    restarted.load_state_dict(saved[0])
+    restarted_opt.load_state_dict({k: v for k, v in saved[1].items() if k != "forge_held_adds"})
+    run(restarted, restarted_opt, range(1, 3))
+    assert not all(torch.equal(a, b) for a, b in zip(straight.parameters(), restarted.parameters()))

@@ -18,6 +18,9 @@ from tests.workers import tp_worker
 # here: the sharded products and DTensor's all-reduces sum in another order; clipping by a norm
 # summed over the pieces adds to it. Forge under TP: within 5e-5...
 RTOL_TP = 5e-5
+# ... and TP inside FSDP2 (a 2-d mesh) within 1e-4: its clipped run's embedding, whose gradient is
+# summed over both mesh dimensions, comes to 6.5e-5 on some CPUs ...
+RTOL_TWO_D = 1e-4
 # ... except where a rule's update is nearly the gradient's sign or its normalised value (Adagrad,
 # Lion, centred RMSprop): there the round-off of a gradient entry near zero becomes a weight's
 # change of up to lr a step. Plain TP under torch.optim.RMSprop(momentum=0.9, centered=True)
@@ -153,7 +156,7 @@ def test_tp_inside_fsdp2_follows_one_process(max_grad_norm, launched, model_dir)
     model = tp_worker.load(model_dir, tp=False)
     tp_worker.patch(model, "adamw")
     norms = tp_worker.train_two_d(model, tp_worker.forge_optimizer(model, max_grad_norm, 1))
-    assert_tp_close(got["weights"], tp_worker.whole(model), "2-d")
+    assert_tp_close(got["weights"], tp_worker.whole(model), "2-d", rtol=RTOL_TWO_D)
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(norms), rtol=RTOL_TP, atol=0)
 
 
