@@ -111,8 +111,6 @@ def test_smoke_recipe_through_the_console_script_and_resumed_past_the_datas_end(
     command = [_script("forge-hf"), "train", str(SMOKE), "--max_steps", "20", "--eval_strategy", "no",
                "--save_steps", "10", "--eval_rows", "300", "--gradient_accumulation_steps", "2",
                "--include_num_input_tokens_seen", "true"]
-    if torch.cuda.is_available():  # a GPU adds some sums (attention's backward, the embedding's rows) in any order
-        command += ["--full_determinism", "true"]
     _run([*command, "--output_dir", str(out)], tmp_path)
     summary = _check_output_dir(out, steps=20, micro_batches=2)
     assert summary["last_loss"] < summary["first_loss"], summary
