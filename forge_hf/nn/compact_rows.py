@@ -26,8 +26,12 @@ class CompactRows:
 
 
 def _sum_by_id(ids: torch.Tensor, values: torch.Tensor, n_rows: int) -> CompactRows:
-    """Each distinct id once, with the sum of its ``values`` rows in ``values``' dtype, added
-    in the order the ids come (index_add_, as torch's dense embedding backward adds on the CPU)."""
+    """Each distinct id once, with the sum of its ``values`` rows in ``values``' dtype.
+
+    fp32 rows (a backward's tokens) are summed as torch's dense embedding backward sums them:
+    in the order the ids come on the CPU, and on CUDA by sorted segments with no atomics, so a
+    step's bits do not change from run to run. Lower-precision rows come two to an id at most
+    (``add_rows``), which adds in any order to the same bits."""
     sorted_ids, order = torch.sort(ids, stable=True)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[1:] = sorted_ids[1:] != sorted_ids[:-1]
@@ -36,7 +40,10 @@ def _sum_by_id(ids: torch.Tensor, values: torch.Tensor, n_rows: int) -> CompactR
     slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted)
     # one slot's ids are all equal: which write lands does not matter
     out_ids = torch.full((size,), n_rows, dtype=torch.int64, device=ids.device).scatter_(0, slot_sorted, sorted_ids)
-    rows = values.new_zeros(size, values.shape[1]).index_add_(0, slot, values)
+    if values.dtype == torch.float32:
+        rows = torch.ops.aten.embedding_dense_backward(values, slot, size, -1, False)
+    else:
+        rows = values.new_zeros(size, values.shape[1]).index_add_(0, slot, values)
     rows.masked_fill_((out_ids == n_rows)[:, None], 0)  # padding tokens give no gradient, as in torch
     return CompactRows(out_ids, rows, n_rows)
 
