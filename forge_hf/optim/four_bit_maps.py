@@ -53,12 +53,34 @@ def _round_on_grid(y: torch.Tensor, grid: torch.Tensor, u: torch.Tensor) -> torc
     return torch.where(lower < 0, grid[0], torch.where(up, hi, lo))
 
 
+class WeylDither:
+    """Rounding thresholds for the successive stores of one state: a random offset per element
+    plus the store's count times the golden ratio, mod 1 (a Weyl sequence). Each threshold is
+    uniform, so the rounding stays unbiased, but an element's thresholds cover [0, 1) evenly
+    over successive stores, so the rounding errors of a slowly moving value cancel sooner than
+    independent draws' do: less of them accumulates in a moment."""
+
+    GOLDEN = 0.6180339887498949
+
+    def __init__(self, seed: int = 0):
+        self.seed, self.stores = seed, 0
+
+    def __call__(self, shape: torch.Size) -> torch.Tensor:
+        self.stores += 1
+        offset = torch.rand(shape, generator=torch.Generator().manual_seed(self.seed), dtype=torch.float64)
+        return torch.remainder(offset + self.stores * self.GOLDEN, 1.0).float()
+
+
 def store(x: torch.Tensor, name: str, signed: bool, group: int = 64,
-          generator: torch.Generator | None = None) -> torch.Tensor:
+          generator: torch.Generator | None = None, dither: WeylDither | None = None) -> torch.Tensor:
     """``x`` (rows, cols) after a store in map ``name`` (SIGNED_MAPS or UNSIGNED_MAPS, or
-    ``al4``) and a load; ``generator`` draws the stochastic rounding (None: to nearest)."""
+    ``al4``) and a load; ``generator`` draws the stochastic rounding, or ``dither`` gives its
+    thresholds (neither: to nearest)."""
     x3, cols = _grouped(x.float(), group)
-    u = torch.full_like(x3, 0.5) if generator is None else torch.rand(x3.shape, generator=generator)
+    if dither is not None:
+        u = dither(x3.shape)
+    else:
+        u = torch.full_like(x3, 0.5) if generator is None else torch.rand(x3.shape, generator=generator)
     mag = x3.abs() if signed else x3.clamp_min(0.0)
     if name == "al4" and not signed:
         out = _al4(mag, u)

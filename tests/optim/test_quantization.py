@@ -156,3 +156,22 @@ def test_trajectory_error_ranks_the_state_formats():
     linear = trajectory_error({"exp_avg_sq": lambda x: four_bit_maps.store(x, "lin0", False)}, **small)
     chosen = trajectory_error({"exp_avg_sq": lambda x: four_bit_maps.store(x, "log2", False)}, **small)
     assert chosen["mean"] < 0.01 * linear["mean"]  # a zero code for v: the zero point blows the update up
+
+
+def test_weyl_dither_spreads_each_elements_thresholds_evenly_over_its_stores():
+    """Each store's thresholds are uniform over the elements (an unbiased rounding); one
+    element's thresholds over 100 stores leave no gap in [0, 1) wider than ~2/100, where 100
+    independent draws leave gaps of ~ln(100)/100."""
+    from forge_hf.optim.four_bit_maps import WeylDither, store
+
+    dither = WeylDither(seed=3)
+    draws = torch.stack([dither((64, 4, 64)) for _ in range(100)])  # (stores, rows, groups, group)
+    assert draws.min() >= 0 and draws.max() < 1
+    assert abs(draws[0].mean().item() - 0.5) < 0.01  # uniform over the elements
+    ordered = torch.sort(draws, dim=0).values
+    gaps = torch.diff(torch.cat([ordered, ordered[:1] + 1]), dim=0)  # around the circle
+    assert gaps.max() < 2.2 / 100
+    independent = torch.rand(101, 4096, generator=torch.Generator().manual_seed(3))
+    assert torch.diff(torch.sort(independent, dim=0).values, dim=0).max() > 4 / 100
+    x = torch.randn(8, 100)
+    assert store(x, "log2", True, dither=WeylDither(1)).shape == x.shape
