@@ -29,6 +29,9 @@ from tests.integrations.test_trainer import dataset, training_args
 from tests.optim.test_optimizer import tiny_llama
 
 SMOKE = ROOT / "recipes" / "smoke.yaml"
+# a resumed run against the straight one on a GPU with the graph (eager against captured steps
+# after the resume): the smoke recipe's logged values came 7e-6 apart at most, relative
+ROUND_OFF = 1e-4
 
 
 def _script(name: str) -> str:
@@ -133,12 +136,22 @@ def test_smoke_recipe_through_the_console_script_and_resumed_past_the_datas_end(
     assert summary["tokens_per_second"] == pytest.approx(summary["tokens_this_run"] / summary["train_seconds"])
     assert summary["steps_per_second"] == pytest.approx(10 / summary["train_seconds"])
     assert "tokens      20,480, 10,240 after resuming (" in done.stdout
-    # the same run, bit for bit: the same blocks after the resume, in the second pass as in the first
+    # the same run: the same blocks after the resume, in the second pass as in the first. Bit for
+    # bit where every step is eager (the CPU, cuda_graph=false). With the graph on a GPU the
+    # resumed run's first two steps are eager where the straight run replays its graph, and an
+    # eager and a captured step agree to fp32 round-off only (README, Known issues)
+    exact = graph == "false" or not torch.cuda.is_available()
     logged, straight_logs = _logged_training(resumed), _logged_training(out)
-    differ = [(a["step"], a, b) for a, b in zip(logged, straight_logs) if a != b]
-    assert len(logged) == len(straight_logs) == 20 and not differ, f"first step that differs: {differ[:1]}"
+    assert len(logged) == len(straight_logs) == 20
+    for a, b in zip(logged, straight_logs):
+        same = a == b if exact else a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=ROUND_OFF) for k in a)
+        assert same, f"step {a['step']} differs: {a} != {b}"
     straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
-    assert all(torch.equal(straight[k], again[k]) for k in straight)
+    for k in straight:
+        if exact:
+            assert torch.equal(straight[k], again[k]), k
+        else:
+            assert (again[k] - straight[k]).norm() <= ROUND_OFF * straight[k].norm(), k
 
 
 @pytest.mark.slow
