@@ -82,11 +82,9 @@ def add_products(buffer: torch.Tensor, pairs: list, rounded: RoundedSums | None,
     the buffer is new (torch.empty) and taken as zeros, not read."""
     (x0, dy0), rest = pairs[0], pairs[1:]
     if buffer.dtype == torch.float32:
-        if fresh:
+        if fresh:  # the first product written, the rest added
             matmul_fp32(dy0.t(), x0, buffer)
-        else:
-            rest = pairs
-        for x, dy in rest:
+        for x, dy in rest if fresh else pairs:
             addmm_fp32(buffer, dy.t(), x)
         return
     n, k = buffer.shape

@@ -76,6 +76,8 @@ def store(x: torch.Tensor, name: str, signed: bool, group: int = 64,
     """``x`` (rows, cols) after a store in map ``name`` (SIGNED_MAPS or UNSIGNED_MAPS, or
     ``al4``) and a load; ``generator`` draws the stochastic rounding, or ``dither`` gives its
     thresholds (neither: to nearest)."""
+    if generator is not None and dither is not None:
+        raise ValueError("store() takes a generator (independent draws) or a dither (WeylDither), not both")
     x3, cols = _grouped(x.float(), group)
     if dither is not None:
         u = dither(x3.shape)

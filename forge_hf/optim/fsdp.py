@@ -185,6 +185,7 @@ def fsdp_needed(model: torch.nn.Module) -> bool:
 # buffers' count of backwards (HELD_ADDS).
 
 _GROUPS = "param_groups"
+_NOT_STATES = (_GROUPS, HELD_ADDS)  # the keys that are not a parameter's "state.<i>.<name>"
 
 
 def _row_dtensor(local: torch.Tensor, p: DTensor, n_rows: int) -> DTensor:
@@ -230,7 +231,7 @@ def load_sharded_optimizer(optimizer, checkpoint_dir) -> None:
     # DCP fills a state dict of the right shapes in place: built from what the checkpoint holds
     template = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
-        index = int(key.split(".")[1]) if key not in (_GROUPS, HELD_ADDS) else -1
+        index = int(key.split(".")[1]) if key not in _NOT_STATES else -1
         if index >= len(params):
             raise ValueError(f"{checkpoint_dir} holds a state of parameter {index}, but the optimizer has "
                              f"{len(params)} parameters: it was saved for another model")
@@ -253,7 +254,7 @@ def load_sharded_optimizer(optimizer, checkpoint_dir) -> None:
 
     saved: dict[int, dict] = {}
     for key, value in template.items():
-        if key not in (_GROUPS, HELD_ADDS):
+        if key not in _NOT_STATES:
             _, i, name = key.split(".", 2)
             saved.setdefault(int(i), {})[name] = value.to_local() if isinstance(value, DTensor) else value
     optimizer.load_local_state_dict({"state": saved, _GROUPS: list(template[_GROUPS]),

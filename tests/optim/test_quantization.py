@@ -175,3 +175,5 @@ def test_weyl_dither_spreads_each_elements_thresholds_evenly_over_its_stores():
     assert torch.diff(torch.sort(independent, dim=0).values, dim=0).max() > 4 / 100
     x = torch.randn(8, 100)
     assert store(x, "log2", True, dither=WeylDither(1)).shape == x.shape
+    with pytest.raises(ValueError, match="a generator .* or a dither .*, not both"):
+        store(x, "log2", True, generator=torch.Generator(), dither=WeylDither(1))
