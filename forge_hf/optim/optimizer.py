@@ -363,13 +363,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return sq.sqrt()
 
     def held_snapshot(self) -> tuple:
-        """What the fused layers hold and which gradient each parameter has: a CUDA-graph
-        capture that fails (it runs nothing) goes back to it with ``held_restore``."""
+        """What the fused layers hold, which gradient each parameter has and each state's
+        counters and slots: a CUDA-graph capture that fails (it runs nothing, but its Python may
+        have counted a step or made a slot before the failing op) goes back to it with
+        ``held_restore``."""
         held = {layer: layer.forge_held.snapshot() for layer in self._layers.values() if layer.forge_held is not None}
-        return held, {p: p.grad for p in self.params()}, self._embeddings.snapshot()
+        states = {state: (dict(state.host), list(state.slots), state.allocated) for state in self.state.values()}
+        return held, {p: p.grad for p in self.params()}, self._embeddings.snapshot(), states
 
     def held_restore(self, snapshot: tuple) -> None:
-        held, grads, rows = snapshot
+        held, grads, rows, states = snapshot
+        for state, (host, slots, allocated) in states.items():
+            state.host, state.slots, state.allocated = host, slots, allocated
         self._embeddings.restore(rows)
         for layer, state in held.items():
             layer.forge_held.restore(state)

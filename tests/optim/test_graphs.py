@@ -100,6 +100,32 @@ def test_what_a_failed_capture_added_to_the_held_gradients_is_taken_back():
         assert torch.equal(a, b), name
 
 
+def test_a_step_counted_by_a_failed_capture_is_taken_back():
+    """A capture can fail after the optimizer's Python counted a step: the ordinary path makes
+    the rule's constants on the host (``prepare``), then copies them to the GPU from pageable
+    memory, which a capture refuses. held_restore puts every state's count back, so the eager
+    step that follows is the step of an optimizer that never tried."""
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    models, steps = [], []
+    for undo in (False, True):
+        model, opt = patched("cpu", state_precision="fp32")
+        for _ in range(2):
+            causal_lm_loss(model, {"input_ids": ids, "labels": ids}).backward()
+            if undo:
+                snapshot = opt.held_snapshot()
+                for group in opt.param_groups:  # what the failed capture's Python counted
+                    for p in group["params"]:
+                        opt.rule.prepare(group, opt.state[p].host)
+                opt.held_restore(snapshot)
+            opt.step()
+            opt.zero_grad()
+        models.append(model)
+        steps.append([state.step for state in opt.state.values()])
+    assert steps[0] == steps[1] == [2] * len(steps[0])
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_graphed_step_refuses_a_ddp_wrapper(tmp_path):
     import torch.distributed as dist
 
