@@ -36,6 +36,11 @@ def _no_store_state(ptr, meta_ptr, offs, value, mask, keep, block, block_keep, h
 
 
 @triton.jit
+def _no_add_factored(vectors_ptr, value, mask, rn, rk, N, K, step, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pass
+
+
+@triton.jit
 def _block_index_masked(rn, pid_k, N, KB, BLOCK_K: tl.constexpr):
     # the kernel's own indices with every element masked off: no metadata is read or written
     block, block_mask = state_tiles.block_index(rn, pid_k, N, KB, BLOCK_K)
@@ -55,6 +60,8 @@ TRITON = {
     "mainloop_only": _patch((fused_update, "store_value", _no_store_value),
                             (fused_update, "store_state", _no_store_state)),
     "no_meta": _patch((fused_update, "block_index", _block_index_masked)),  # 8-bit states: no metadata traffic
+    "no_state_stores": _patch((fused_update, "store_state", _no_store_state)),  # the weight still stored
+    "no_factored_sums": _patch((fused_update, "add_factored", _no_add_factored)),  # no row and column sums
 }
 PERSISTENT = ("mainloop_only", "epilogue_only")
 ABLATIONS = sorted(set(TRITON) | set(PERSISTENT))

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = pytest.mark.slow  # the compilers run in child processes
 
 WEIGHT_STATE = ["fp32-fp32", "bf16-bf16", "fp32-bf16", "bf16-int8", "bf16-al8", "bf16-log4", "bf16-log4_factored",
@@ -23,36 +25,12 @@ RULE_NAMES = ["adagrad", "adamw", "lion", "nadam", "radam", "rmsprop", "sgd"]
 REFUSED = {("lion", "log4_factored"), ("sgd", "log4_factored"), ("rmsprop", "log4"), ("rmsprop", "log4_factored")}
 
 
-def _signature(names: list, positional: list) -> dict:
-    """Triton's signature of a launch's non-constexpr arguments: pointers, TMA
-    descriptors, int32."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
-    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int16: "i16", torch.int32: "i32",
-             torch.int8: "i8", torch.uint8: "u8"}
-    return {n: "*" + types[v.dtype] if torch.is_tensor(v) else mangle_type(v) if hasattr(v, "block_shape")
-            else "i32" for n, v in zip(names, positional)}
-
-
 def compile_all() -> dict:
     """Run in the child: {"rule/weight-state": "ok" or the error}."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from forge_hf.core.rules import get_rule, make_group
-    from forge_hf.core.state import ForgeState
-    from forge_hf.kernels.runtime.launch_args import pack_args
-    from forge_hf.kernels.triton.fused_update import (
-        compile_options,
-        default_config,
-        fused_launch_arguments,
-        fused_update_kernel,
-    )
+    from sass_counts import compile_fused  # benchmarks/: what a launch compiles, for sm_90
 
     extra = {"rmsprop": dict(momentum=0.9, centered=True), "sgd": dict(momentum=0.9)}
-    names = fused_update_kernel.arg_names
     results = {}
     for rule_name in RULE_NAMES:
         for variant in WEIGHT_STATE:
@@ -61,25 +39,9 @@ def compile_all() -> dict:
                 continue
             grad, (n, k, t) = kind == ["grad"], (256, 512, 128) if kind == ["even"] else (200, 300, 77)
             try:
-                rule = get_rule(rule_name)
-                group = make_group(rule, extra.get(rule_name, {}))
-                weight = torch.zeros(n, k, dtype=torch.float32 if wname == "fp32" else torch.bfloat16)
-                state = ForgeState(rule, precision, transposed=False)
-                state.allocate(weight, group)
-                x, dy = torch.zeros(t, k, dtype=torch.bfloat16), torch.zeros(t, n, dtype=torch.bfloat16)
-                args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
-                if grad:  # the gradient is read: x is the (N, K) gradient itself
-                    x = dy = torch.zeros(n, k, dtype=torch.bfloat16)
-                config = default_config(n, k, 0 if grad else t)  # what a GPU launch uses
-                _, positional, constexprs = fused_launch_arguments(
-                    x, dy, weight, state.kernel_slots(), args, torch.zeros(2), rule_name, True, dot_fp32=False,
-                    grad_given=bool(grad))
-                sig = _signature(names, positional)
-                sig.update({k: "constexpr" for k in constexprs})
-                source = triton.compiler.ASTSource(
-                    fn=fused_update_kernel, signature=sig,
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
-                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=compile_options(config))
+                compiled, _ = compile_fused(rule_name, precision, (n, k), 0 if grad else t, extra=extra.get(rule_name),
+                                            weight_dtype=torch.float32 if wname == "fp32" else torch.bfloat16,
+                                            grad_dtype=torch.bfloat16)
                 results[f"{rule_name}/{variant}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
             except Exception as e:  # reported per variant by the tests below
                 results[f"{rule_name}/{variant}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
@@ -108,11 +70,12 @@ def _divisibility(positional: list) -> dict:
 def _compile_gluon(kernel, positional: list, constexprs: dict, options: dict):
     """Gluon ``kernel`` compiled for sm_90 as a launch with these arguments compiles it."""
     import triton
+    from sass_counts import signature  # benchmarks/
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = kernel.arg_names
-    sig = _signature(names, positional)
+    sig = signature(names, positional)
     sig.update({k: "constexpr" for k in constexprs})
     source = GluonASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                             attrs=_divisibility(positional))
@@ -216,8 +179,9 @@ def compile_wide() -> dict:
 
 def _in_child(function: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import json, test_kernel_compiles as t; print('RESULTS' + json.dumps(t.{function}()))"
-    run = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_kernel_compiles as t; "
+            f"print('RESULTS' + json.dumps(t.{function}()))")
+    run = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], cwd=os.path.dirname(__file__), env=env,
                          capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS")]
     assert lines, run.stderr[-3000:]
