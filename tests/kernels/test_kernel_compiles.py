@@ -10,10 +10,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # the child imports this file alone
 
 pytestmark = pytest.mark.slow  # the compilers run in child processes
 
@@ -181,7 +182,7 @@ def _in_child(function: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_kernel_compiles as t; "
             f"print('RESULTS' + json.dumps(t.{function}()))")
-    run = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], cwd=os.path.dirname(__file__), env=env,
+    run = subprocess.run([sys.executable, "-c", code, str(BENCHMARKS)], cwd=os.path.dirname(__file__), env=env,
                          capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS")]
     assert lines, run.stderr[-3000:]
