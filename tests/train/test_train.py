@@ -139,11 +139,14 @@ def test_smoke_recipe_through_the_console_script_and_resumed_past_the_datas_end(
     for run in (straight_run, done):  # 'auto' replayed a graph
         assert not graphed or "training steps run eagerly" not in run.stderr, run.stderr[-2000:]
     # the same run, bit for bit: the same blocks after the resume, in the second pass as in the
-    # first, and the same steps whether eager or replayed
+    # first, and the same steps whether eager or replayed. The Triton kernel adds its tiles'
+    # squared sums with atomics, in no fixed order: the logged norm to fp32 round-off there
     logged, straight_logs = _logged_training(resumed), _logged_training(out)
     assert len(logged) == len(straight_logs) == 20
     for a, b in zip(logged, straight_logs):
+        norms = (a.pop("grad_norm"), b.pop("grad_norm"))
         assert a == b, f"step {a['step']} differs: {a} != {b}"
+        assert norms[0] == (pytest.approx(norms[1], rel=1e-5) if graphed else norms[1]), (a["step"], norms)
     straight, again = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
     for k in straight:
         assert torch.equal(straight[k], again[k]), k
