@@ -368,13 +368,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         have counted a step or made a slot before the failing op) goes back to it with
         ``held_restore``."""
         held = {layer: layer.forge_held.snapshot() for layer in self._layers.values() if layer.forge_held is not None}
-        states = {state: (dict(state.host), list(state.slots), state.allocated) for state in self.state.values()}
+        states = {s: (dict(s.host), list(s.slots), s.allocated) for s in self.state.values()}  # ForgeStates
         return held, {p: p.grad for p in self.params()}, self._embeddings.snapshot(), states
 
     def held_restore(self, snapshot: tuple) -> None:
         held, grads, rows, states = snapshot
-        for state, (host, slots, allocated) in states.items():
-            state.host, state.slots, state.allocated = host, slots, allocated
+        for forge_state, (host, slots, allocated) in states.items():
+            forge_state.host, forge_state.slots, forge_state.allocated = host, slots, allocated
         self._embeddings.restore(rows)
         for layer, state in held.items():
             layer.forge_held.restore(state)

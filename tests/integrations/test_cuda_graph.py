@@ -331,8 +331,7 @@ def test_the_captured_loss_is_scaled_for_accumulation_as_the_trainer_scales_it()
 def test_the_captured_steps_loss_gives_the_eager_steps_bits(tmp_path, single_thread, lean_loss):
     """An accumulated step through Trainer.training_step (an eager step) and through the loss
     function a warm-up and a capture run (with the normaliser as the graph's input) form the
-    same loss and gradients: two steps of each from the same start end on the same weights.
-    (On a GPU a captured step may still differ at round-off: other kernels, no other formula.)"""
+    same loss and gradients: two steps of each from the same start end on the same weights."""
     from forge_hf.integrations.cuda_graph import NUM_ITEMS, TrainerGraph
 
     data = dataset(4)
