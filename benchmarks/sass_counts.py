@@ -16,80 +16,17 @@ token loop runs once a chunk (its instructions are not all run once an element).
 
 import argparse
 import collections
-import os
-import pathlib
-import subprocess
-import tempfile
 
-os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted
+from sm90_compile import compile_fused, disassemble  # first: it takes TRITON_INTERPRET away
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-
-from forge_hf.core.rules import get_rule, make_group  # noqa: E402
-from forge_hf.core.state import ForgeState  # noqa: E402
-from forge_hf.kernels.runtime.launch_args import pack_args  # noqa: E402
-from forge_hf.kernels.triton.fused_update import (  # noqa: E402
-    compile_options,
-    default_config,
-    fused_launch_arguments,
-    fused_update_kernel,
-)
-
-import kernel_ablations  # noqa: E402
-
-HOPPER = GPUTarget("cuda", 90, 32)
-_TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int16: "i16", torch.int32: "i32",
-               torch.int8: "i8", torch.uint8: "u8"}
-
-
-def signature(names: list, positional: list) -> dict:
-    """Triton's signature of a launch's non-constexpr arguments (pointers, TMA descriptors,
-    int32), to compile a kernel ahead of its launch for another GPU than this machine's."""
-    from triton.runtime.jit import mangle_type
-
-    return {n: "*" + _TYPE_NAMES[v.dtype] if torch.is_tensor(v) else mangle_type(v) if hasattr(v, "block_shape")
-            else "i32" for n, v in zip(names, positional)}
-
-
-def compile_fused(rule_name: str, precision: str, shape: tuple[int, int], tokens: int, stochastic: bool = True,
-                  extra: dict | None = None, weight_dtype=torch.bfloat16, grad_dtype=torch.float32):
-    """The Triton kernel for one layer of ``shape`` (out, in) with ``precision`` states,
-    compiled for sm_90 as its launch would be; ``tokens`` 0: the rule pass over a given
-    gradient of ``grad_dtype`` (fp32: the two-pass path's scratch)."""
-    n, k = shape
-    rule = get_rule(rule_name)
-    group = make_group(rule, extra or {})
-    weight = torch.zeros(n, k, dtype=weight_dtype)
-    state = ForgeState(rule, precision, transposed=False)
-    state.allocate(weight, group)
-    if tokens:
-        x, dy = torch.zeros(tokens, k, dtype=torch.bfloat16), torch.zeros(tokens, n, dtype=torch.bfloat16)
-    else:  # x is the (N, K) gradient itself
-        x = dy = torch.zeros(n, k, dtype=grad_dtype)
-    args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
-    config = default_config(n, k, tokens)  # what a GPU launch uses
-    _, positional, constexprs = fused_launch_arguments(
-        x, dy, weight, state.kernel_slots(), args, torch.zeros(2), rule_name, stochastic, dot_fp32=False,
-        grad_given=not tokens)
-    names = fused_update_kernel.arg_names
-    sig = signature(names, positional)
-    sig.update({name: "constexpr" for name in constexprs})
-    source = triton.compiler.ASTSource(fn=fused_update_kernel, signature=sig,
-                                       constexprs={(names.index(name),): v for name, v in constexprs.items()})
-    return triton.compile(source, target=HOPPER, options=compile_options(config)), config
+# isort: split
+import kernel_ablations
 
 
 def opcodes(cubin: bytes) -> collections.Counter:
     """SASS instructions of a cubin by opcode (predicates and modifiers dropped)."""
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        listing = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
     counts = collections.Counter()
-    for line in listing.splitlines():
+    for line in disassemble(cubin).splitlines():
         body = line.split("*/", 1)[1].strip() if line.strip().startswith("/*") and "*/" in line else ""
         words = body.rstrip(" ;").split()
         if words:

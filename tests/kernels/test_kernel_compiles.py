@@ -29,7 +29,7 @@ REFUSED = {("lion", "log4_factored"), ("sgd", "log4_factored"), ("rmsprop", "log
 def compile_all() -> dict:
     """Run in the child: {"rule/weight-state": "ok" or the error}."""
     import torch
-    from sass_counts import compile_fused  # benchmarks/: what a launch compiles, for sm_90
+    from sm90_compile import compile_fused  # benchmarks/: what a launch compiles, for sm_90
 
     extra = {"rmsprop": dict(momentum=0.9, centered=True), "sgd": dict(momentum=0.9)}
     results = {}
@@ -57,32 +57,6 @@ PERSISTENT_RULES = {"adagrad": {}, "adamw": {}, "lion": {}, "nadam": {}, "radam"
 SHARED_LIMIT = 232448  # a Hopper multiprocessor gives a program at most 227 KB of shared memory
 
 
-def _divisibility(positional: list) -> dict:
-    """What Triton's launch specialises on: a pointer 16-byte aligned, an int a multiple of 16
-    (the Gluon kernels' weights and states always are; their rows and columns are multiples
-    of 64), so the compiled code, its vector loads and its registers, are the GPU's."""
-    import torch
-
-    aligned = [i for i, v in enumerate(positional)
-               if (torch.is_tensor(v) and v.data_ptr() % 16 == 0) or (type(v) is int and v % 16 == 0)]
-    return {(i,): [["tt.divisibility", 16]] for i in aligned}
-
-
-def _compile_gluon(kernel, positional: list, constexprs: dict, options: dict):
-    """Gluon ``kernel`` compiled for sm_90 as a launch with these arguments compiles it."""
-    import triton
-    from sass_counts import signature  # benchmarks/
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    names = kernel.arg_names
-    sig = signature(names, positional)
-    sig.update({k: "constexpr" for k in constexprs})
-    source = GluonASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                            attrs=_divisibility(positional))
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 def _problems(compiled, spills: bool = False) -> str:
     """"ok", or what is wrong with a compiled Gluon kernel: no cubin, more shared memory than
     a multiprocessor has, and with ``spills`` registers spilled to the stack."""
@@ -97,30 +71,13 @@ def _problems(compiled, spills: bool = False) -> str:
 def compile_persistent() -> dict:
     """Run in the child: the persistent Gluon kernel as launch_persistent would launch it,
     bf16, int8 and al8 state, each rule (its own slots), stochastic and nearest rounding."""
-    import torch
-
-    from forge_hf.core.rules import get_rule, make_group
-    from forge_hf.core.state import ForgeState
-    from forge_hf.kernels.gluon.persistent_update import persistent_update_kernel
-    from forge_hf.kernels.launch.persistent_launch import layout_unsupported, persistent_launch_arguments
-    from forge_hf.kernels.runtime.launch_args import pack_args
-    from forge_hf.kernels.triton.fused_update import RULE_UPDATES
+    from sm90_compile import compile_gluon  # benchmarks/
 
     results = {}
     for key, hp in PERSISTENT_RULES.items():
         for precision, stochastic in PERSISTENT_VARIANTS:
             try:
-                rule = get_rule(key.split("-")[0])
-                group = make_group(rule, hp)
-                weight = torch.zeros(128, 192, dtype=torch.bfloat16)
-                state = ForgeState(rule, precision, transposed=False)
-                state.allocate(weight, group)
-                slots = state.kernel_slots()
-                x, dy = torch.zeros(100, 192, dtype=torch.bfloat16), torch.zeros(100, 128, dtype=torch.bfloat16)
-                assert layout_unsupported(x, dy, weight, slots) is None
-                args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
-                compiled = _compile_gluon(persistent_update_kernel, *persistent_launch_arguments(
-                    x, dy, weight, slots, args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic))
+                compiled = compile_gluon("persistent", key.split("-")[0], precision, stochastic, hp)
                 results[f"{key}/{precision}/{stochastic}"] = _problems(compiled)
             except Exception as e:
                 results[f"{key}/{precision}/{stochastic}"] = f"{type(e).__name__}: {str(e)[-1500:]}"
@@ -150,28 +107,13 @@ def _stack_bytes(cubin: bytes) -> int:
 def compile_wide() -> dict:
     """Run in the child: the wide Gluon kernel as launch_wide would launch it, bf16, int8 and
     al8 state, each rule, stochastic rounding (and AdamW's nearest); no registers spilled."""
-    import torch
-
-    from forge_hf.core.rules import get_rule, make_group
-    from forge_hf.core.state import ForgeState
-    from forge_hf.kernels.gluon.wide_update import wide_update_kernel
-    from forge_hf.kernels.launch.wide_launch import wide_launch_arguments
-    from forge_hf.kernels.runtime.launch_args import pack_args
-    from forge_hf.kernels.triton.fused_update import RULE_UPDATES
+    from sm90_compile import compile_gluon  # benchmarks/
 
     results = {}
     for key, precision, stochastic in WIDE_VARIANTS:
         name = f"{key}/{precision}/{stochastic}"
         try:
-            rule = get_rule(key.split("-")[0])
-            group = make_group(rule, PERSISTENT_RULES[key])
-            weight = torch.zeros(256, 384, dtype=torch.bfloat16)
-            state = ForgeState(rule, precision, transposed=False)
-            state.allocate(weight, group)
-            x, dy = torch.zeros(100, 384, dtype=torch.bfloat16), torch.zeros(100, 256, dtype=torch.bfloat16)
-            args = pack_args(rule.prepare(group, state.host), 1, 0, "cpu")
-            compiled = _compile_gluon(wide_update_kernel, *wide_launch_arguments(
-                x, dy, weight, state.kernel_slots(), args, torch.zeros(2), RULE_UPDATES[rule.name], stochastic))
+            compiled = compile_gluon("wide", key.split("-")[0], precision, stochastic, PERSISTENT_RULES[key])
             results[name] = _problems(compiled, spills=True)
         except Exception as e:
             results[name] = f"{type(e).__name__}: {str(e)[-1500:]}"
