@@ -31,6 +31,7 @@ from forge_hf.kernels.triton.fused_update import (  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 KERNELS = ("triton", "persistent", "wide")
+GLUON_SHAPES = {"persistent": (128, 192), "wide": (256, 384)}  # (out, in): multiples of each one's tile
 _TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int16: "i16", torch.int32: "i32",
                torch.int8: "i8", torch.uint8: "u8"}
 
@@ -104,7 +105,7 @@ def unsupported(kernel: str, rule_name: str, precision: str, extra: dict | None 
     from forge_hf.kernels.launch.persistent_launch import weight_unsupported
     from forge_hf.kernels.launch.wide_launch import wide_layer_unsupported
 
-    _, weight, state, _ = _layer(rule_name, precision, (256, 384), extra, torch.bfloat16)
+    _, weight, state, _ = _layer(rule_name, precision, GLUON_SHAPES[kernel], extra, torch.bfloat16)
     slots = state.kernel_slots()
     check = weight_unsupported if kernel == "persistent" else wide_layer_unsupported
     return check(weight, slots, storage_kinds(slots))
@@ -121,11 +122,11 @@ def compile_gluon(kernel: str, rule_name: str, precision: str, stochastic: bool 
     from forge_hf.kernels.launch.persistent_launch import persistent_launch_arguments
     from forge_hf.kernels.launch.wide_launch import wide_launch_arguments
 
-    jitted, arguments, shape = {
-        "persistent": (persistent_update_kernel, persistent_launch_arguments, (128, 192)),
-        "wide": (wide_update_kernel, wide_launch_arguments, (256, 384)),
+    jitted, arguments = {
+        "persistent": (persistent_update_kernel, persistent_launch_arguments),
+        "wide": (wide_update_kernel, wide_launch_arguments),
     }[kernel]
-    n, k = shape
+    n, k = shape = GLUON_SHAPES[kernel]
     x, dy = torch.zeros(100, k, dtype=torch.bfloat16), torch.zeros(100, n, dtype=torch.bfloat16)
     reason = unsupported(kernel, rule_name, precision, extra) or tokens_unsupported(x, dy)
     if reason is not None:
