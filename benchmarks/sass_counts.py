@@ -17,7 +17,7 @@ token loop runs once a chunk (its instructions are not all run once an element).
 import argparse
 import collections
 
-from sm90_compile import compile_fused, disassemble  # first: it takes TRITON_INTERPRET away
+from sm90_compile import compile_fused, disassemble, instructions  # first: it takes TRITON_INTERPRET away
 
 # isort: split
 import kernel_ablations
@@ -26,8 +26,7 @@ import kernel_ablations
 def opcodes(cubin: bytes) -> collections.Counter:
     """SASS instructions of a cubin by opcode (predicates and modifiers dropped)."""
     counts = collections.Counter()
-    for line in disassemble(cubin).splitlines():
-        body = line.split("*/", 1)[1].strip() if line.strip().startswith("/*") and "*/" in line else ""
+    for body in instructions(disassemble(cubin)):
         words = body.rstrip(" ;").split()
         if words:
             op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]

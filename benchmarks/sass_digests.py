@@ -21,7 +21,8 @@ import json
 import multiprocessing
 import os
 
-from sm90_compile import KERNELS, compile_fused, compile_gluon, disassemble, unsupported  # first: no interpreter
+# first: it takes TRITON_INTERPRET away
+from sm90_compile import KERNELS, compile_fused, compile_gluon, disassemble, instructions, unsupported
 
 # isort: split
 import torch
@@ -73,8 +74,7 @@ def digest(variant: tuple) -> tuple[str, str]:
         sass = disassemble(compiled.asm["cubin"])
     except Exception as e:  # a variant that does not compile is a finding, listed with the rest
         return name, f"error: {type(e).__name__}: {str(e)[-300:]}"
-    instructions = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line)
-    return name, f"{hashlib.sha256(sass.encode()).hexdigest()[:20]} {instructions}"
+    return name, f"{hashlib.sha256(sass.encode()).hexdigest()[:20]} {len(instructions(sass))}"
 
 
 def compare(now: dict, then: dict) -> list[str]:

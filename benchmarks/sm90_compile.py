@@ -8,6 +8,7 @@ Used by sass_counts.py, sass_digests.py and tests/kernels/test_kernel_compiles.p
 
 import os
 import pathlib
+import re
 import subprocess
 import tempfile
 
@@ -70,12 +71,18 @@ def compile_fused(rule_name: str, precision: str, shape: tuple[int, int], tokens
     _, positional, constexprs = fused_launch_arguments(
         x, dy, weight, state.kernel_slots(), args, torch.zeros(2), rule_name, stochastic, dot_fp32=False,
         grad_given=not tokens)
-    names = fused_update_kernel.arg_names
+    source = _source(triton.compiler.ASTSource, fused_update_kernel, positional, constexprs)
+    return triton.compile(source, target=HOPPER, options=compile_options(config)), config
+
+
+def _source(kind, jitted, positional: list, constexprs: dict, **attrs):
+    """``kind`` (Triton's or Gluon's AST source) of ``jitted`` for a launch's arguments:
+    ``positional`` typed by ``signature``, ``constexprs`` by name."""
+    names = jitted.arg_names
     sig = signature(names, positional)
     sig.update({name: "constexpr" for name in constexprs})
-    source = triton.compiler.ASTSource(fn=fused_update_kernel, signature=sig,
-                                       constexprs={(names.index(name),): v for name, v in constexprs.items()})
-    return triton.compile(source, target=HOPPER, options=compile_options(config)), config
+    return kind(fn=jitted, signature=sig, constexprs={(names.index(name),): v for name, v in constexprs.items()},
+                **attrs)
 
 
 def _divisibility(positional: list) -> dict:
@@ -134,18 +141,30 @@ def compile_gluon(kernel: str, rule_name: str, precision: str, stochastic: bool 
     rule, weight, state, args = _layer(rule_name, precision, shape, extra, torch.bfloat16)
     positional, constexprs, options = arguments(x, dy, weight, state.kernel_slots(), args, torch.zeros(2),
                                                 RULE_UPDATES[rule.name], stochastic)
-    names = jitted.arg_names
-    sig = signature(names, positional)
-    sig.update({name: "constexpr" for name in constexprs})
-    source = GluonASTSource(fn=jitted, signature=sig, attrs=_divisibility(positional),
-                            constexprs={(names.index(name),): v for name, v in constexprs.items()})
+    source = _source(GluonASTSource, jitted, positional, constexprs, attrs=_divisibility(positional))
     return triton.compile(source, target=HOPPER, options=options)
+
+
+def _triton_tool(name: str, option: str, cubin: bytes) -> str:
+    """What one of the CUDA tools in Triton's wheel prints for ``cubin``."""
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), option, f.name], capture_output=True, text=True, check=True).stdout
 
 
 def disassemble(cubin: bytes) -> str:
     """A cubin's SASS as nvdisasm lists it (code only)."""
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return _triton_tool("nvdisasm", "-c", cubin)
+
+
+def instructions(sass: str) -> list[str]:
+    """The instructions of a ``disassemble`` listing, each as written after its address."""
+    return [line.split("*/", 1)[1].strip() for line in sass.splitlines()
+            if line.strip().startswith("/*") and "*/" in line]
+
+
+def stack_bytes(cubin: bytes) -> int:
+    """The stack frame ptxas gave the kernel: registers spilled where it is not 0."""
+    return int(re.search(r"STACK:(\d+)", _triton_tool("cuobjdump", "-res-usage", cubin)).group(1))

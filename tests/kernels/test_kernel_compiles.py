@@ -60,10 +60,12 @@ SHARED_LIMIT = 232448  # a Hopper multiprocessor gives a program at most 227 KB 
 def _problems(compiled, spills: bool = False) -> str:
     """"ok", or what is wrong with a compiled Gluon kernel: no cubin, more shared memory than
     a multiprocessor has, and with ``spills`` registers spilled to the stack."""
+    from sm90_compile import stack_bytes  # benchmarks/
+
     if not compiled.asm.get("cubin"):
         return "no cubin"
     problems = [f"shared memory {compiled.metadata.shared}"] * (compiled.metadata.shared > SHARED_LIMIT)
-    stack = _stack_bytes(compiled.asm["cubin"]) if spills else 0
+    stack = stack_bytes(compiled.asm["cubin"]) if spills else 0
     problems += [f"{stack} bytes of registers spilled to the stack"] * bool(stack)
     return "; ".join(problems) or "ok"
 
@@ -86,22 +88,6 @@ def compile_persistent() -> dict:
 
 WIDE_VARIANTS = [(key, precision, True) for key in PERSISTENT_RULES for precision in ("bf16", "int8", "al8")] + \
     [("adamw", "bf16", False), ("adamw", "al8", False)]
-
-
-def _stack_bytes(cubin: bytes) -> int:
-    """The stack frame ptxas gave the kernel: registers spilled where it is not 0."""
-    import pathlib
-    import re
-    import tempfile
-
-    import triton
-
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 def compile_wide() -> dict:
