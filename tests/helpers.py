@@ -1,8 +1,10 @@
 """Shared test tools: the device, exactly summable inputs, tolerances, small comparisons, the
-worker scripts' folder, the benchmark tools' modules."""
+worker scripts' folder, the benchmark tools' modules and compiling runs."""
 
 import contextlib
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -130,6 +132,15 @@ def benchmark_module(name: str):
         yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def run_compiling_tool(script: str, *arguments) -> subprocess.CompletedProcess:
+    """A tool of benchmarks/ run in a child process that compiles its kernels as on a GPU:
+    without the interpreter conftest sets, this checkout's forge_hf first on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, script, *arguments], cwd=BENCHMARKS, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 def write_checkpoint(path: Path) -> Path:

@@ -1,22 +1,15 @@
 """benchmarks/sass_counts.py: the Triton kernel's SASS for sm_90, counted on the CPU."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import run_compiling_tool
 
 pytestmark = pytest.mark.slow  # the compilers run in a child process
 
 
 def _counted(*arguments) -> list[list[str]]:
     """The table's rows of one run of the tool, compiled as on a GPU (no interpreter)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "sass_counts.py", "--shape", "200x300", "--opcodes", "40", *arguments],
-                         cwd=ROOT / "benchmarks", env=env, capture_output=True, text=True, timeout=600)
+    run = run_compiling_tool("sass_counts.py", "--shape", "200x300", "--opcodes", "40", *arguments)
     assert run.returncode == 0, run.stderr[-3000:]
     return [line.strip("| ").split(" | ") for line in run.stdout.splitlines() if line.startswith("| adamw")]
 

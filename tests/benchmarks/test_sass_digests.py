@@ -2,13 +2,10 @@
 and compared with an earlier run's."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import run_compiling_tool
 
 pytestmark = pytest.mark.slow  # the compilers run in a child process
 
@@ -18,15 +15,8 @@ FEW = ["--kernels", "triton,persistent", "--rules", "adamw,lion", "--weights", "
        "bf16,log4_factored", "--roundings", "nearest", "--inputs", "tokens", "--jobs", "2"]
 
 
-def _digests(*arguments) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "sass_digests.py", *arguments], cwd=ROOT / "benchmarks", env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
 def test_a_second_run_finds_the_same_code_and_names_what_differs(tmp_path):
-    first = _digests(*FEW, "--out", str(tmp_path / "first.json"))
+    first = run_compiling_tool("sass_digests.py", *FEW, "--out", str(tmp_path / "first.json"))
     assert first.returncode == 0, first.stderr[-3000:]
     digests = json.loads((tmp_path / "first.json").read_text())
     assert len(digests) == 8 and "compiled 5, not taken 3, errors 0" in first.stdout
@@ -39,7 +29,7 @@ def test_a_second_run_finds_the_same_code_and_names_what_differs(tmp_path):
     changed = "triton/adamw/bf16/bf16/nearest/tokens"
     digests[changed] = "0" * 20 + " 1"
     (tmp_path / "earlier.json").write_text(json.dumps(digests))
-    second = _digests(*FEW, "--against", str(tmp_path / "earlier.json"))
+    second = run_compiling_tool("sass_digests.py", *FEW, "--against", str(tmp_path / "earlier.json"))
     assert second.returncode == 1, second.stderr[-3000:]
     assert ": 1 differ" in second.stdout
     differing = [line for line in second.stdout.splitlines() if " -> " in line]
@@ -53,5 +43,5 @@ def test_a_second_run_finds_the_same_code_and_names_what_differs(tmp_path):
     (["--against", "missing.json"], "--against missing.json: no such file; write one with --out"),
 ])
 def test_a_bad_argument_is_refused_naming_it(arguments, message):
-    run = _digests(*arguments)
+    run = run_compiling_tool("sass_digests.py", *arguments)
     assert run.returncode == 2 and message in run.stderr
